@@ -54,6 +54,7 @@ class Engine:
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None) -> None:
         self.target = target
         self.drafter = drafter
+        self.warnings: list[str] = []  # load-time notes for the user (e.g. an untrained drafter)
         if drafter is not None:
             check_fit(drafter.config, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                       num_layers=target.num_layers)
