@@ -107,31 +107,31 @@ class Engine:
         if max_new > room:
             warnings.append(f"max_new_tokens lowered from {max_new} to {room} to fit the context window")
             max_new = room
+        stopper = _Stopper(target, target.eos_ids, max_new, "context" if max_new == room else "length", cfg.stop)
         block = 1 if plain else (cfg.block_size or self.drafter.block_size)
         cache_len = len(ids) + max_new + block + 1
         tcache = target.new_cache(cache_len)
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
         layer_ids = None if plain else self.drafter.config.target_layer_ids
-        eos = target.eos_ids
         t0 = time.perf_counter()
 
         logits, feats = target.forward(torch.tensor([ids], device=dev), tcache, layer_ids, last_only=plain)
         first = int(self._choose(logits[-1:], cfg, gen)[0])
         prefill_s = time.perf_counter() - t0
-        out = [first]
+        out: list[int] = []
         state = _Tally(prompt_tokens=len(ids), prefill_s=prefill_s, t0=t0, warnings=warnings)
-        yield self._event(0, len(ids), None, 0, first, [first], 0.0, prefill_s * 1e3, out)
+        kept, reason = stopper.commit(out, [first])
+        yield self._event(0, len(ids), None, 0, first, kept, 0.0, prefill_s * 1e3, out)
 
         dcache = None if plain else self.drafter.new_cache(cache_len)
         pending = None if feats is None else feats[None]  # features the drafter has not seen yet
         start = len(ids)  # position of the anchor: the newest committed token, not yet in tcache
         index = 0
         while True:
-            reason = self._finish_reason(out, eos, max_new, cfg.stop, room)
             if reason is None and _cancelled(cancel):
                 reason = "cancelled"
             if reason is not None:
-                yield state.finish(reason, self._trim(out, eos, max_new, cfg.stop), target, cfg.stop)
+                yield state.finish(reason, out, target, cfg.stop)
                 return
             index += 1
             anchor = out[-1]
@@ -140,10 +140,10 @@ class Engine:
                 logits, _ = target.forward(torch.tensor([[anchor]], device=dev), tcache)
                 tok = int(self._choose(logits, cfg, gen)[0])
                 verify_ms = (time.perf_counter() - t1) * 1e3
-                out.append(tok)
                 state.verify_s += verify_ms / 1e3
                 state.blocks += 1
-                yield self._event(index, start, None, 0, tok, [tok], 0.0, verify_ms, out)
+                kept, reason = stopper.commit(out, [tok])
+                yield self._event(index, start, None, 0, tok, kept, 0.0, verify_ms, out)
                 start += 1
                 continue
             t1 = time.perf_counter()
@@ -160,13 +160,12 @@ class Engine:
             t3 = time.perf_counter()
             tcache.truncate(start + acc + 1)
             pending = feats[None, : acc + 1]
-            committed = [*draft.tokens[:acc].tolist(), tok]
-            out.extend(committed)
             state.draft_s += t2 - t1
             state.verify_s += t3 - t2
             state.blocks += 1
             state.accepted.append(acc)
-            yield self._event(index, start, draft, acc, tok, committed, (t2 - t1) * 1e3, (t3 - t2) * 1e3, out)
+            kept, reason = stopper.commit(out, [*draft.tokens[:acc].tolist(), tok])
+            yield self._event(index, start, draft, acc, tok, kept, (t2 - t1) * 1e3, (t3 - t2) * 1e3, out)
             start += acc + 1
 
     # ----- drafting -----
@@ -229,30 +228,6 @@ class Engine:
             return logits.argmax(-1)
         return sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen)
 
-    def _finish_reason(self, out: list[int], eos: set[int], max_new: int, stop: tuple[str, ...],
-                       room: int) -> str | None:
-        if any(t in eos for t in out[:max_new]):
-            return "eos"
-        if stop and any(s in self.target.decode(out[:max_new]) for s in stop):
-            return "stop"
-        if len(out) >= max_new:
-            return "context" if max_new == room else "length"
-        return None
-
-    def _trim(self, out: list[int], eos: set[int], max_new: int, stop: tuple[str, ...]) -> list[int]:
-        """The reply plain decoding would have produced: cut at max_new, EOS, or a stop string."""
-        out = out[:max_new]
-        for i, t in enumerate(out):
-            if t in eos:
-                out = out[: i + 1]
-                break
-        if stop and any(s in self.target.decode(out) for s in stop):
-            k = 1
-            while not any(s in self.target.decode(out[:k]) for s in stop):
-                k += 1
-            out = out[:k]
-        return out
-
     def _event(self, index: int, start: int, draft: Draft | None, accepted: int, token: int,
                committed: list[int], draft_ms: float, verify_ms: float, out: list[int]) -> BlockEvent:
         target = self.target
@@ -270,6 +245,35 @@ class Engine:
             text=target.decode(out), committed_text=target.token_strings(committed),
             draft_text=target.token_strings(draft_ids),
         )
+
+
+class _Stopper:
+    """Commits tokens and cuts them exactly where plain decoding would have stopped."""
+
+    def __init__(self, target: Target, eos: set[int], max_new: int, length_reason: str,
+                 stop: tuple[str, ...]) -> None:
+        self.target, self.eos, self.max_new, self.length_reason, self.stop = target, eos, max_new, length_reason, stop
+
+    def commit(self, out: list[int], new: list[int]) -> tuple[list[int], str | None]:
+        """Append `new` to `out` up to the first stop; return the tokens kept and why it stopped, if it did."""
+        before = len(out)
+        reason = None
+        for t in new:
+            out.append(t)
+            if t in self.eos:
+                reason = "eos"
+                break
+            if len(out) >= self.max_new:
+                reason = self.length_reason
+                break
+        if self.stop and any(s in self.target.decode(out) for s in self.stop):
+            # Keep the shortest reply that contains a stop string, as token-by-token decoding would.
+            k = before + 1
+            while not any(s in self.target.decode(out[:k]) for s in self.stop):
+                k += 1
+            del out[k:]
+            reason = "stop"
+        return out[before:], reason
 
 
 @dataclass

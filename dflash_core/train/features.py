@@ -1,0 +1,171 @@
+"""Target features for training, computed once and cached on disk as fp16.
+
+For every sample of a data folder (see `data.py`), the target reads prompt + response once
+and we keep its hidden states at the drafter's `target_layer_ids`, concatenated: exactly the
+context the drafter gets at inference. One `feats-NNNNN.safetensors` per data shard holds all
+its sequences end to end ([sum of lengths, len(layer_ids) * H], fp16) plus the token ids and
+offsets; files are written atomically and a rerun skips shards already done with the same
+layers, so a killed run loses at most one shard.
+
+    python -m dflash_core.train.features --data data/smollm2-sharegpt --out runs/features/smollm2-l1-25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import read_shard, shard_paths
+
+FEATURE_VERSION = 1
+
+
+@dataclass
+class Sequence:
+    """One training sequence: token ids, where the response starts, and target features."""
+
+    id: str
+    ids: torch.Tensor  # [L] long
+    prompt_len: int
+    feats: torch.Tensor  # [L, len(layer_ids) * H] fp16
+
+
+def feature_name(shard: Path) -> str:
+    return "feats-" + shard.name.split("-")[1].split(".")[0] + ".safetensors"
+
+
+@torch.inference_mode()
+def sequence_features(target: Any, seqs: list[list[int]], layer_ids: list[int], batch_tokens: int = 4096
+                      ) -> list[torch.Tensor]:
+    """Concatenated hidden states [L, n*H] (fp16, CPU) for each sequence.
+
+    Sequences are batched by length with RIGHT padding and no attention mask: the target is
+    causal, so padding after a sequence cannot change its features.
+    """
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    out: list[torch.Tensor | None] = [None] * len(seqs)
+    i = 0
+    while i < len(order):
+        width = len(seqs[order[i]])
+        j = i
+        while j < len(order) and (j - i + 1) * len(seqs[order[j]]) <= max(batch_tokens, len(seqs[order[j]])):
+            width = len(seqs[order[j]])
+            j += 1
+        idx = order[i:j]
+        ids = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, k in enumerate(idx):
+            ids[r, : len(seqs[k])] = torch.tensor(seqs[k])
+        res = target.model(input_ids=ids.to(target.device), output_hidden_states=True, use_cache=False,
+                           logits_to_keep=1)
+        # hidden_states[0] is the embedding output, so layer i's output is at i + 1.
+        cat = torch.cat([res.hidden_states[li + 1] for li in layer_ids], dim=-1).to("cpu", torch.float16)
+        for r, k in enumerate(idx):
+            out[k] = cat[r, : len(seqs[k])].clone()
+        i = j
+    return [o for o in out if o is not None]
+
+
+def build_features(target: Any, data: str | os.PathLike[str], out: str | os.PathLike[str], layer_ids: list[int],
+                   batch_tokens: int = 4096, progress: bool = True) -> list[Path]:
+    """Features for every data shard not yet done; returns all feature files."""
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta_want = {"layer_ids": json.dumps(list(layer_ids)), "version": str(FEATURE_VERSION)}
+    shards = shard_paths(data)
+    files = []
+    bar = tqdm(shards, unit="shard", disable=not progress)
+    n_tok, t0 = 0, time.time()
+    for shard in bar:
+        dest = out / feature_name(shard)
+        files.append(dest)
+        samples = read_shard(shard)
+        if dest.is_file():
+            meta = _meta(dest)
+            if all(meta.get(k) == v for k, v in meta_want.items()) and meta.get("ids") == json.dumps(
+                    [s["id"] for s in samples]):
+                continue
+        seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
+        feats = sequence_features(target, seqs, layer_ids, batch_tokens)
+        lengths = [len(q) for q in seqs]
+        tensors = {
+            "features": torch.cat(feats).contiguous(),
+            "input_ids": torch.tensor([t for q in seqs for t in q], dtype=torch.int32),
+            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
+            "prompt_lens": torch.tensor([len(s["prompt_ids"]) for s in samples], dtype=torch.int32),
+        }
+        meta = {**meta_want, "ids": json.dumps([s["id"] for s in samples]), "data_shard": shard.name}
+        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, dest)
+        n_tok += sum(lengths)
+        bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
+    return files
+
+
+def _meta(path: Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+def load_feature_file(path: str | os.PathLike[str]) -> list[Sequence]:
+    from safetensors.torch import load_file
+
+    t = load_file(str(path))
+    ids = json.loads(_meta(Path(path))["ids"])
+    off = t["offsets"].tolist()
+    return [Sequence(id=ids[k], ids=t["input_ids"][off[k]:off[k + 1]].long(), prompt_len=int(t["prompt_lens"][k]),
+                     feats=t["features"][off[k]:off[k + 1]]) for k in range(len(ids))]
+
+
+def feature_files(folder: str | os.PathLike[str]) -> list[Path]:
+    return sorted(Path(folder).glob("feats-*.safetensors"))
+
+
+def iter_sequences(files: list[Path], generator: torch.Generator | None = None) -> Iterator[Sequence]:
+    """Endless stream: files in a random order, sequences shuffled within each file (so only
+    one file is in memory at a time)."""
+    if not files:
+        raise ValueError("no feature files")
+    while True:
+        for fi in torch.randperm(len(files), generator=generator).tolist():
+            seqs = load_feature_file(files[fi])
+            for si in torch.randperm(len(seqs), generator=generator).tolist():
+                yield seqs[si]
+
+
+def main() -> None:
+    from ..drafter import default_target_layer_ids
+    from ..targets import load_target
+
+    ap = argparse.ArgumentParser(prog="python -m dflash_core.train.features")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--target", default="embedded")
+    ap.add_argument("--layers", default="", help="comma-separated target layer ids (default: spread)")
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target, device="cpu", dtype="float32")
+    layers = ([int(x) for x in args.layers.split(",")] if args.layers
+              else default_target_layer_ids(target.num_layers, args.draft_layers))
+    files = build_features(target, args.data, args.out, layers, args.batch_tokens)
+    print(f"[features] {len(files)} files in {args.out} (layers {layers})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Sampled DFlash output follows the target's distribution exactly (speculative sampling).
+
+On a toy target with a 4-token vocabulary, every 3-token continuation's probability is
+enumerated exactly; DFlash sampling (with a random drafter whose q is far from p) is run
+thousands of times and compared with a chi-square test. The same test run with a wrong
+acceptance rule must fail, which shows the test is tight enough to matter.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from dflash_core import verify
+from dflash_core.config import GenerationConfig
+from dflash_core.drafter import DFlashDrafter, config_for_target, init_weights
+from dflash_core.engine import Engine
+from dflash_core.events import Finished
+from dflash_core.verify import logits_to_probs
+
+from toy import toy_target
+
+PROMPT = [1, 3, 0, 2]
+LENGTH = 3
+TRIALS = 1200
+
+
+def exact_distribution(target, cfg: GenerationConfig) -> dict[tuple[int, ...], float]:
+    vocab = target.vocab_size
+    out = {}
+    with torch.no_grad():
+        for seq in itertools.product(range(vocab), repeat=LENGTH):
+            ids = torch.tensor([PROMPT + list(seq)])
+            logits = target.model(input_ids=ids).logits[0, len(PROMPT) - 1 : -1]
+            probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            out[seq] = float(torch.prod(probs[torch.arange(LENGTH), torch.tensor(seq)]))
+    return out
+
+
+def sampled_counts(engine: Engine, cfg: GenerationConfig) -> tuple[Counter, float]:
+    counts: Counter = Counter()
+    taus = []
+    for seed in range(TRIALS):
+        fin = None
+        for ev in engine.generate(PROMPT, cfg.with_(seed=seed)):
+            fin = ev
+        assert isinstance(fin, Finished)
+        counts[tuple(fin.token_ids)] += 1
+        taus.append(fin.tau)
+    return counts, sum(taus) / len(taus)
+
+
+def chi_square_p(counts: Counter, exact: dict) -> float:
+    keys = sorted(exact)
+    expected = [exact[k] * TRIALS for k in keys]
+    # Pool rare outcomes so every expected count is large enough for the chi-square law.
+    obs_big, exp_big, obs_rest, exp_rest = [], [], 0, 0.0
+    for k, e in zip(keys, expected):
+        if e >= 5:
+            obs_big.append(counts.get(k, 0))
+            exp_big.append(e)
+        else:
+            obs_rest += counts.get(k, 0)
+            exp_rest += e
+    if exp_rest > 0:
+        obs_big.append(obs_rest)
+        exp_big.append(exp_rest)
+    assert sum(counts.values()) == TRIALS
+    scale = sum(obs_big) / sum(exp_big)  # exact sums, as chisquare demands
+    return float(chisquare(obs_big, [e * scale for e in exp_big]).pvalue)
+
+
+@pytest.fixture(scope="module")
+def toy_engine() -> Engine:
+    target = toy_target()
+    cfg = config_for_target(target.config, num_layers=1, block_size=3, mask_token_id=3)
+    drafter = init_weights(DFlashDrafter(cfg), std=0.3, seed=5)
+    return Engine(target, drafter)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1),
+        GenerationConfig(max_new_tokens=LENGTH, temperature=0.8, top_p=0.9, block_size=3, steps=2),
+    ],
+    ids=["t1-steps1", "t0.8-topp0.9-steps2"],
+)
+def test_dflash_sampling_matches_target_distribution(toy_engine: Engine, cfg: GenerationConfig) -> None:
+    exact = exact_distribution(toy_engine.target, cfg)
+    assert abs(sum(exact.values()) - 1.0) < 1e-5
+    counts, tau = sampled_counts(toy_engine, cfg)
+    assert 1.0 < tau < 3.0, "the random drafter should be right sometimes and wrong sometimes"
+    assert chi_square_p(counts, exact) > 1e-3
+
+
+def test_wrong_acceptance_rule_is_detected(toy_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resampling from p (not the residual max(0, p - q)) after a rejection biases the output."""
+
+    def wrong_accept(draft, q, p, generator):
+        n = draft.shape[0]
+        rows = torch.arange(n)
+        u = torch.rand(n, generator=generator)
+        accepted = (u * q[rows, draft] < p[rows, draft]).int().cumprod(0).sum()
+        return accepted, verify.sample(p, generator)[accepted]
+
+    monkeypatch.setattr("dflash_core.engine.speculative_accept", wrong_accept)
+    cfg = GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1)
+    counts, _ = sampled_counts(toy_engine, cfg)
+    assert chi_square_p(counts, exact_distribution(toy_engine.target, cfg)) < 1e-3
