@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 from scipy.stats import chisquare
+from toy import toy_target
 
 from dflash_core import verify
 from dflash_core.config import GenerationConfig
@@ -21,8 +22,6 @@ from dflash_core.drafter import DFlashDrafter, config_for_target, init_weights
 from dflash_core.engine import Engine
 from dflash_core.events import Finished
 from dflash_core.verify import logits_to_probs
-
-from toy import toy_target
 
 PROMPT = [1, 3, 0, 2]
 LENGTH = 3
@@ -59,7 +58,7 @@ def chi_square_p(counts: Counter, exact: dict) -> float:
     expected = [exact[k] * TRIALS for k in keys]
     # Pool rare outcomes so every expected count is large enough for the chi-square law.
     obs_big, exp_big, obs_rest, exp_rest = [], [], 0, 0.0
-    for k, e in zip(keys, expected):
+    for k, e in zip(keys, expected, strict=True):
         if e >= 5:
             obs_big.append(counts.get(k, 0))
             exp_big.append(e)

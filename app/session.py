@@ -1,0 +1,171 @@
+"""Per-visitor state: the plain-text conversation and the per-block numbers behind the charts.
+
+Nothing here touches torch: the engine's events are plain dataclasses, and the history fed
+back to the model is plain text, never the coloured HTML.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import dataclass, field
+
+from dflash_core.events import BlockEvent, Finished
+
+Message = dict[str, str]
+
+
+@dataclass
+class BlockStat:
+    """One engine event reduced to the numbers the charts need."""
+
+    index: int
+    block_size: int  # B for a draft block; 1 for the prefill token and plain-decoding steps
+    accepted: int  # draft tokens the target kept
+    committed: int  # tokens the event added to the reply
+    draft_ms: float
+    verify_ms: float
+    tokens: int  # reply length after the event
+    engine_s: float  # cumulative engine time (prefill + draft + verify) at the end of the event
+
+
+@dataclass
+class RunStats:
+    """One decoding run (DFlash or plain) of one reply.
+
+    Speed is measured on engine time (the sum of the events' draft and verify times, prefill
+    included), not on wall time: the UI renders between blocks while the engine's generator is
+    suspended, and that rendering must not count against DFlash in the comparison.
+    """
+
+    blocks: list[BlockStat] = field(default_factory=list)
+    finished: Finished | None = None
+
+    def add(self, ev: BlockEvent) -> BlockStat:
+        prev = self.blocks[-1].engine_s if self.blocks else 0.0
+        stat = BlockStat(
+            index=ev.index, block_size=len(ev.draft) + 1, accepted=ev.accepted, committed=len(ev.committed),
+            draft_ms=ev.draft_ms, verify_ms=ev.verify_ms, tokens=ev.tokens_so_far,
+            engine_s=prev + (ev.draft_ms + ev.verify_ms) / 1e3,
+        )
+        self.blocks.append(stat)
+        return stat
+
+    @property
+    def draft_blocks(self) -> list[BlockStat]:
+        return [b for b in self.blocks if b.block_size > 1]
+
+    @property
+    def tokens(self) -> int:
+        # The final reply may be shorter than what was committed (a block can overshoot
+        # max_new_tokens or run past EOS), so prefer the trimmed count once it is known.
+        if self.finished is not None:
+            return len(self.finished.token_ids)
+        return self.blocks[-1].tokens if self.blocks else 0
+
+    @property
+    def engine_s(self) -> float:
+        return self.blocks[-1].engine_s if self.blocks else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.engine_s if self.engine_s > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per draft block (accepted + 1), as in the DFlash paper."""
+        blocks = self.draft_blocks
+        return sum(b.accepted + 1 for b in blocks) / len(blocks) if blocks else 1.0
+
+    @property
+    def draft_share(self) -> float:
+        """Fraction of draft+verify time spent drafting (prefill excluded)."""
+        d = sum(b.draft_ms for b in self.draft_blocks)
+        v = sum(b.verify_ms for b in self.draft_blocks)
+        return d / (d + v) if d + v > 0 else 0.0
+
+
+class Session:
+    """One visitor's chat. Stored in a gr.State, so it must survive `deepcopy`.
+
+    The cancel flag lives here so the Stop handler (a separate, unqueued-in-practice event of
+    the same visitor) can reach the running generation; a `threading.Event` cannot be deep
+    copied, hence the custom `__deepcopy__`.
+    """
+
+    def __init__(self) -> None:
+        self.history: list[Message] = []  # completed turns, plain text
+        self.reply: str | None = None  # the assistant reply being streamed, if any
+        self.events: list[BlockEvent] = []  # events of the latest reply
+        self.dflash = RunStats()
+        self.plain: RunStats | None = None  # the comparison run, when asked for
+        self.notes: list[str] = []  # per-reply warnings (e.g. max_new_tokens lowered)
+        self.greedy = True  # whether the latest reply decoded greedily (exact token match expected)
+        self.cancel = threading.Event()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Session:
+        new = Session()
+        for name, value in self.__dict__.items():
+            if name != "cancel":
+                setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    # ----- the conversation -----
+
+    def begin(self, user_text: str) -> list[Message]:
+        """Start a reply to `user_text`; returns the plain-text messages to send to the model."""
+        self.history.append({"role": "user", "content": user_text})
+        self.reply = ""
+        self.events = []
+        self.dflash = RunStats()
+        self.plain = None
+        self.notes = []
+        self.cancel.clear()
+        return [dict(m) for m in self.history]
+
+    def on_event(self, ev: BlockEvent) -> None:
+        self.events.append(ev)
+        self.dflash.add(ev)
+        self.reply = ev.text
+
+    def finish(self, fin: Finished) -> None:
+        """Commit the reply (even a cancelled, partial one: it is what the visitor saw)."""
+        self.dflash.finished = fin
+        self.notes.extend(fin.warnings)
+        self.reply = None
+        self.history.append({"role": "assistant", "content": fin.text})
+
+    def abort(self) -> None:
+        """The reply failed before finishing: keep what streamed so far as the answer."""
+        if self.reply is not None:
+            self.history.append({"role": "assistant", "content": self.reply})
+            self.reply = None
+
+    def pop_last_turn(self) -> str | None:
+        """Remove the last user turn (and its reply) for Regenerate; returns the user's text."""
+        if self.history and self.history[-1]["role"] == "assistant":
+            self.history.pop()
+        if self.history and self.history[-1]["role"] == "user":
+            return self.history.pop()["content"]
+        return None
+
+    def reset(self) -> None:
+        """Clear in place: a running generation's handler holds this same object."""
+        cancel = self.cancel
+        self.__init__()
+        self.cancel = cancel
+
+    def chat_messages(self) -> list[Message]:
+        """What the gr.Chatbot shows: plain text, rendered as markdown by the chatbot."""
+        msgs = [dict(m) for m in self.history]
+        if self.reply is not None:
+            msgs.append({"role": "assistant", "content": self.reply})
+        return msgs
+
+    @property
+    def current_block(self) -> BlockEvent | None:
+        """The latest event that has a draft, for the denoising heatmap."""
+        for ev in reversed(self.events):
+            if ev.steps:
+                return ev
+        return None

@@ -1,0 +1,262 @@
+"""The Gradio app: layout and event wiring. Rendering lives in render.py and charts.py.
+
+One generation runs at a time (every engine-using event shares the "generate" concurrency
+group); Stop has its own group, so it is served while a generation holds the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from dflash_core.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, GenerationConfig
+from dflash_core.engine import Engine
+from dflash_core.errors import DFlashError
+from dflash_core.events import Finished
+
+from . import charts
+from .render import render_view
+from .session import RunStats, Session
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+CSS_PATH = ASSETS / "style.css"
+EXAMPLES_PATH = ASSETS / "examples.json"
+GENERATE = "generate"  # the concurrency group of every event that runs the engine
+# On a fast GPU blocks take milliseconds; re-sending the HTML and three figures for each one
+# would flood the browser. Updates are therefore spaced at least this far apart (the last
+# state is always sent). On CPU every block takes longer than this, so each one shows.
+MIN_UPDATE_S = 0.1
+
+Update = tuple[Any, ...]
+
+
+def load_examples(path: Path = EXAMPLES_PATH) -> list[dict[str, str]]:
+    return json.loads(path.read_text())
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def stats_line(session: Session, status: str = "") -> str:
+    """The one-line summary under the chat: tau, speed, speed-up, draft/verify time share."""
+    d, p = session.dflash, session.plain
+    if not d.blocks:
+        return status or "Ask something to see DFlash at work."
+    parts = [f"**τ {d.tau:.2f}**", f"**{d.tokens_per_s:.1f} tok/s**"]
+    if p is not None and p.blocks:
+        parts.append(f"plain {p.tokens_per_s:.1f} tok/s")
+        if p.finished is not None and p.tokens_per_s > 0:
+            parts.append(f"**speed-up {d.tokens_per_s / p.tokens_per_s:.2f}×**")
+    if d.draft_blocks:
+        parts.append(f"draft {_pct(d.draft_share)} / verify {_pct(1 - d.draft_share)}")
+    parts.append(f"{d.tokens} tokens in {len(d.draft_blocks) or len(d.blocks)} blocks")
+    if d.finished is not None:
+        parts.append(f"finished: {d.finished.reason}")
+    # Exactness is a token-for-token claim only for greedy decoding; with sampling the two
+    # runs draw from the same distribution but not the same sample.
+    compared = p is not None and p.finished is not None and p.finished.reason != "cancelled"
+    if compared and d.finished is not None and session.greedy:
+        same = p.finished.token_ids == d.finished.token_ids
+        parts.append("plain output identical ✓" if same else "plain output DIFFERS ✗")
+    line = " · ".join(parts)
+    if session.notes:
+        line += "  \n⚠️ " + "; ".join(session.notes)
+    return f"{status}  \n{line}" if status else line
+
+
+def build_app(engine: Engine) -> gr.Blocks:
+    """The whole app around one loaded engine. Call `.launch(**launch_kwargs())` to serve it."""
+    drafter = engine.drafter
+    default_block = drafter.block_size if drafter is not None else MIN_BLOCK_SIZE
+    examples = load_examples()
+
+    def step_texts(session: Session) -> list[list[str]] | None:
+        ev = session.current_block
+        if ev is None:
+            return None
+        return [engine.target.token_strings(st.tokens) for st in ev.steps]
+
+    def view(session: Session, status: str = "") -> Update:
+        """chatbot, speculation view, heatmap, acceptance, speed, stats."""
+        fin = session.dflash.finished
+        keep = len(fin.token_ids) if fin is not None else None
+        return (
+            session.chat_messages(),
+            render_view(session.events, keep),
+            charts.heatmap_figure(session.current_block, step_texts(session)),
+            charts.acceptance_figure(session.dflash),
+            charts.speed_figure(session.dflash, session.plain),
+            stats_line(session, status),
+        )
+
+    def make_config(block_size: float, steps: float, temperature: float, top_p: float, max_new: float,
+                    seed: float) -> GenerationConfig:
+        try:
+            return GenerationConfig(
+                max_new_tokens=int(max_new), block_size=int(block_size) if drafter is not None else None,
+                steps=int(steps), temperature=float(temperature), top_p=float(top_p), seed=int(seed or 0),
+            )
+        except DFlashError as e:
+            raise gr.Error(str(e)) from None
+
+    def run_reply(session: Session, text: str, cfg: GenerationConfig, compare: bool) -> Iterator[Update]:
+        """Stream one reply block by block, then (optionally) the plain-decoding comparison."""
+        messages = session.begin(text)
+        session.greedy = cfg.greedy
+        plain_only = drafter is None  # `--draft none`: the app still chats, without speculation
+        try:
+            try:
+                events = engine.generate(messages, cfg, plain=plain_only, cancel=session.cancel)
+            except DFlashError as e:
+                session.pop_last_turn()
+                session.reply = None
+                raise gr.Error(str(e)) from None
+            yield view(session, "prefill…")
+            last = time.monotonic()
+            for ev in events:
+                if isinstance(ev, Finished):
+                    session.finish(ev)
+                    break
+                session.on_event(ev)
+                if time.monotonic() - last >= MIN_UPDATE_S:
+                    yield view(session, f"generating… block {ev.index}")
+                    last = time.monotonic()
+            fin = session.dflash.finished
+            if compare and not plain_only and fin is not None and fin.reason != "cancelled":
+                session.plain = RunStats()
+                yield view(session, "plain decoding of the same prompt, for comparison…")
+                last = time.monotonic()
+                for ev in engine.generate(messages, cfg, plain=True, cancel=session.cancel):
+                    if isinstance(ev, Finished):
+                        session.plain.finished = ev
+                        break
+                    session.plain.add(ev)
+                    if time.monotonic() - last >= MIN_UPDATE_S:
+                        yield view(session, f"plain decoding for comparison… {ev.tokens_so_far} tokens")
+                        last = time.monotonic()
+            yield view(session)
+        finally:
+            # A failure or a closed connection mid-reply: keep what streamed as the answer,
+            # so history stays a clean user/assistant alternation.
+            session.abort()
+
+    def chat(text: str, session: Session, block_size: float, steps: float, temperature: float, top_p: float,
+             max_new: float, seed: float, compare: bool) -> Iterator[Update]:
+        if not (text or "").strip():
+            yield (gr.skip(), *view(session))
+            return
+        cfg = make_config(block_size, steps, temperature, top_p, max_new, seed)
+        first = True
+        for update in run_reply(session, text, cfg, compare):
+            # Empty the textbox once; later updates must not wipe what the visitor types next.
+            yield ("" if first else gr.skip(), *update)
+            first = False
+
+    def regenerate(session: Session, block_size: float, steps: float, temperature: float, top_p: float,
+                   max_new: float, seed: float, compare: bool) -> Iterator[Update]:
+        text = session.pop_last_turn()
+        if text is None:
+            yield view(session)
+            return
+        cfg = make_config(block_size, steps, temperature, top_p, max_new, seed)
+        yield from run_reply(session, text, cfg, compare)
+
+    def stop(session: Session) -> None:
+        # The engine checks this flag before each block, so it halts within one block.
+        session.cancel.set()
+
+    def clear(session: Session) -> Update:
+        session.reset()
+        return view(session)
+
+    with gr.Blocks(title="DFlash Studio", fill_width=True) as demo:
+        state = gr.State(Session())
+        gr.Markdown(header_markdown(engine), elem_id="dflash-header")
+        for note in engine.warnings:
+            gr.Markdown(f"⚠️ {note}", elem_classes=["dflash-warning"])
+        with gr.Row():
+            with gr.Column(scale=1, min_width=240):
+                gr.Markdown("### Decoding")
+                block_size = gr.Slider(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, value=default_block, step=1,
+                                       label="block size", interactive=drafter is not None,
+                                       info="tokens per block: the anchor + B−1 drafted")
+                steps = gr.Slider(1, 4, value=1, step=1, label="denoising steps", interactive=drafter is not None,
+                                  info="1 = one parallel pass (DFlash as published)")
+                temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature", info="0 = greedy")
+                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
+                max_new = gr.Slider(1, 1024, value=128, step=1, label="max new tokens")
+                seed = gr.Number(0, precision=0, label="seed")
+                compare = gr.Checkbox(False, label="compare with plain decoding",
+                                      info="decode the same prompt without the drafter afterwards")
+            with gr.Column(scale=4):
+                with gr.Row(equal_height=True):
+                    chatbot = gr.Chatbot(label="Chat", height=460, scale=1, buttons=["copy"],
+                                         feedback_options=None, elem_id="chatbot")
+                    with gr.Column(scale=1):
+                        # The component is the scroll box (not the streamed HTML inside it), so
+                        # gradio's autoscroll can keep the newest block in view.
+                        spec = gr.HTML(render_view([]), label="Speculation view", elem_id="spec-view",
+                                       js_on_load=None, min_height=440, max_height=440, autoscroll=True)
+                        show_rejected = gr.Checkbox(True, label="show rejected draft tokens",
+                                                    elem_id="show-rejected")
+                with gr.Row():
+                    msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=6, lines=1,
+                                     max_lines=8, elem_id="prompt")
+                    send = gr.Button("Send", variant="primary", scale=1, min_width=80)
+                    stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=80)
+                    regen_btn = gr.Button("Regenerate", scale=1, min_width=80)
+                    clear_btn = gr.Button("Clear", scale=1, min_width=80)
+                gr.Examples([[e["prompt"]] for e in examples], inputs=[msg],
+                            example_labels=[e["label"] for e in examples], label="Examples")
+                stats = gr.Markdown(stats_line(Session()), elem_id="stats-line")
+                heat = gr.Plot(charts.heatmap_figure(None), label="Denoising heatmap", elem_id="heatmap")
+                with gr.Row():
+                    acc = gr.Plot(charts.acceptance_figure(RunStats()), label="Acceptance", elem_id="acceptance")
+                    speed = gr.Plot(charts.speed_figure(RunStats()), label="Speed", elem_id="speed")
+
+        controls = [block_size, steps, temperature, top_p, max_new, seed, compare]
+        outs = [chatbot, spec, heat, acc, speed, stats]
+        gen_kwargs: dict[str, Any] = {"concurrency_id": GENERATE, "concurrency_limit": 1,
+                                      "show_progress": "minimal", "show_progress_on": [chatbot]}
+        send.click(chat, [msg, state, *controls], [msg, *outs], api_name="chat", **gen_kwargs)
+        msg.submit(chat, [msg, state, *controls], [msg, *outs], api_name="chat_submit",
+                   api_visibility="undocumented", **gen_kwargs)
+        # Stop runs outside the generate group, otherwise it would wait for the very
+        # generation it is meant to stop.
+        stop_btn.click(stop, [state], None, api_name="stop", concurrency_limit=None, show_progress="hidden")
+        # Regenerate and Clear first stop a running reply, then wait their turn in the group.
+        regen_btn.click(stop, [state], None, concurrency_limit=None, show_progress="hidden",
+                        api_visibility="private").then(
+            regenerate, [state, *controls], outs, api_name="regenerate", **gen_kwargs)
+        clear_btn.click(stop, [state], None, concurrency_limit=None, show_progress="hidden",
+                        api_visibility="private").then(
+            clear, [state], outs, api_name="clear", concurrency_id=GENERATE, concurrency_limit=1)
+        # A CSS class toggle in the browser: no round trip, and it survives re-renders because
+        # the class sits on the component's wrapper, not on the streamed HTML.
+        show_rejected.change(None, [show_rejected], None, js="""(show) => {
+            document.getElementById('spec-view')?.classList.toggle('hide-rejected', !show);
+        }""")
+    demo.queue(default_concurrency_limit=1)
+    return demo
+
+
+def header_markdown(engine: Engine) -> str:
+    d = engine.drafter
+    if d is None:
+        draft = "no drafter (plain decoding only)"
+    else:
+        draft = f"DFlash drafter, {d.config.num_hidden_layers} layers, block size {d.block_size}"
+    return (f"# DFlash Studio\nBlock-diffusion speculative decoding, live. Target **{engine.target.name}** · "
+            f"{draft} · device `{engine.target.device}`. Output is identical to plain decoding; "
+            "speed is measured on engine time.")
+
+
+def launch_kwargs() -> dict[str, Any]:
+    """Styling passed to `launch()`: gradio 6 takes css and theme there, not in `gr.Blocks`."""
+    return {"css_paths": [CSS_PATH], "theme": gr.themes.Soft(primary_hue="indigo")}

