@@ -298,8 +298,10 @@ class DFlashDrafter(nn.Module):
         T = context.shape[1]
         ctx = self.hidden_norm(self.fc(context.to(dtype)))
         cos_c, sin_c = self._rope(torch.arange(T, device=context.device), dtype)
-        pos = block_positions if block_positions.dim() == 1 else block_positions[0]
-        cos_b, sin_b = self._rope(pos, dtype)
+        cos_b, sin_b = self._rope(block_positions.reshape(-1), dtype)
+        if block_positions.dim() == 2:  # per-sequence anchors: [b, 1, N, head_dim] broadcasts over heads
+            b, n = block_positions.shape
+            cos_b, sin_b = cos_b.view(b, 1, n, -1), sin_b.view(b, 1, n, -1)
         h = block_embeds
         for layer in self.layers:
             attn = layer.self_attn

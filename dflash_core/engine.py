@@ -55,6 +55,7 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.warnings: list[str] = []  # load-time notes for the user (e.g. an untrained drafter)
+        self.drafter_name = "none" if drafter is None else "custom"
         if drafter is not None:
             check_fit(drafter.config, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                       num_layers=target.num_layers)

@@ -30,12 +30,15 @@ def load(target: str | None = None, draft: str | None = None, device: str | None
         return Engine(tgt, None)
     spec = draft or default_drafter_for(target)
     if spec is not None:
-        return Engine(tgt, load_drafter(spec, device=tgt.device, dtype=tgt.dtype))
+        engine = Engine(tgt, load_drafter(spec, device=tgt.device, dtype=tgt.dtype))
+        engine.drafter_name = spec
+        return engine
     if target not in (None, EMBEDDED):
         raise DFlashError(f"no drafter for target {tgt.name!r}: pass --draft ID|PATH (or --draft none)")
     # No trained drafter shipped yet: decoding stays exact, but almost nothing is accepted.
     cfg = config_for_target(tgt.config, num_layers=2, block_size=16, mask_token_id=0)
     engine = Engine(tgt, init_weights(DFlashDrafter(cfg)))
+    engine.drafter_name = "untrained (random init)"
     engine.warnings.append("no trained drafter found in assets/drafter: using an untrained one "
                            "(output is still exact, but expect almost no speed-up)")
     return engine

@@ -199,6 +199,12 @@ def load_target(spec: str | None = None, device: str | None = None,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise DFlashError(f"device {device!r} asked for, but this machine has no CUDA GPU; use --device cpu")
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise DFlashError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
     torch_dtype = parse_dtype(dtype, device)
     spec = spec or EMBEDDED
     if spec == EMBEDDED:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -84,7 +85,7 @@ def build_features(target: Any, data: str | os.PathLike[str], out: str | os.Path
     meta_want = {"layer_ids": json.dumps(list(layer_ids)), "version": str(FEATURE_VERSION)}
     shards = shard_paths(data)
     files = []
-    bar = tqdm(shards, unit="shard", disable=not progress)
+    bar = tqdm(shards, unit="shard", disable=not progress, mininterval=1 if sys.stderr.isatty() else 30)
     n_tok, t0 = 0, time.time()
     for shard in bar:
         dest = out / feature_name(shard)

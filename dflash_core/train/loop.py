@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -148,6 +149,27 @@ def evaluate(drafter: DFlashDrafter, target: Any, seqs: list[Sequence], cfg: Tra
             "tau_est": round(expected_accepted(hits, counts), 4)}
 
 
+def bigram_accuracy(train_seqs: list[Sequence], eval_seqs: list[Sequence]) -> float:
+    """Block-position-1 accuracy of "the most frequent successor of the anchor token" learnt from
+    the training replies: the floor a drafter that uses its anchor must clearly beat (sanity ladder)."""
+    from collections import Counter, defaultdict
+    from itertools import pairwise
+
+    succ: dict[int, Counter[int]] = defaultdict(Counter)
+    for seq in train_seqs:
+        r = seq.ids[seq.prompt_len:].tolist()
+        for a, b in pairwise(r):
+            succ[a][b] += 1
+    best = {a: c.most_common(1)[0][0] for a, c in succ.items()}
+    hits = total = 0
+    for seq in eval_seqs:
+        r = seq.ids[seq.prompt_len:].tolist()
+        for a, b in pairwise(r):
+            hits += best.get(a) == b
+            total += 1
+    return hits / max(total, 1)
+
+
 def train(cfg: TrainConfig, target: Any, progress: bool = True) -> DFlashDrafter:
     from tqdm import tqdm
 
@@ -173,12 +195,18 @@ def train(cfg: TrainConfig, target: Any, progress: bool = True) -> DFlashDrafter
     out.mkdir(parents=True, exist_ok=True)
     (out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
     log = (out / "log.jsonl").open("a")
+    if eval_seqs:
+        train_seqs = [q for f in train_files for q in load_feature_file(f)]
+        log.write(json.dumps({"step": 0, "bigram_acc1": round(bigram_accuracy(train_seqs, eval_seqs), 4),
+                              "train_seqs": len(train_seqs), "eval_seqs": len(eval_seqs)}) + "\n")
+        del train_seqs
     g = torch.Generator().manual_seed(cfg.seed)
     stream: Iterator[Sequence] = iter_sequences(train_files, g)
     hits = torch.zeros(cfg.block_size, dtype=torch.long)
     counts = torch.zeros(cfg.block_size, dtype=torch.long)
     run_loss, run_n, t0 = 0.0, 0, time.time()
-    bar = tqdm(range(cfg.steps), unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(range(cfg.steps), unit="step", disable=not progress, dynamic_ncols=True,
+               mininterval=1 if sys.stderr.isatty() else 30)  # a log file gets a line every 30 s
     for step in bar:
         # Blocks first, so the step's loss can be normalised by its total weight (sequences with
         # more valid positions count more, as if all blocks were in one batch).

@@ -1,0 +1,108 @@
+"""Feature cache and training loop, end to end on a tiny data folder made with the real target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_core.drafter import check_fit, load_drafter
+from dflash_core.train.data import encode_shard, write_atomic
+from dflash_core.train.features import Sequence, build_features, feature_files, load_feature_file
+from dflash_core.train.loop import TrainConfig, bigram_accuracy, init_from_target, lr_factor, train
+
+LAYERS = [2, 20]
+
+
+def make_data(folder: Path, target) -> list[dict]:
+    """Two shards of three samples with replies of different lengths (some in one batch)."""
+    folder.mkdir(parents=True)
+    g = torch.Generator().manual_seed(0)
+    questions = ["What is 2+2?", "Name a colour.", "Say hi.", "Write one word.", "Count to three.", "Why?"]
+    samples = []
+    for k, q in enumerate(questions):
+        reply = [*torch.randint(100, 5000, (12 + 5 * k,), generator=g).tolist(), 2]
+        samples.append({"id": f"s{k}", "prompt_ids": target.encode_chat([{"role": "user", "content": q}]),
+                        "response_ids": reply, "temperature": 0.0})
+    write_atomic(folder / "shard-00000.jsonl.gz", encode_shard(samples[:3]))
+    write_atomic(folder / "shard-00001.jsonl.gz", encode_shard(samples[3:]))
+    return samples
+
+
+@pytest.fixture(scope="module")
+def feature_dir(tmp_path_factory, target) -> tuple[Path, list[dict]]:
+    root = tmp_path_factory.mktemp("train")
+    samples = make_data(root / "data", target)
+    build_features(target, root / "data", root / "feats", LAYERS, batch_tokens=200, progress=False)
+    return root, samples
+
+
+def test_features_match_inference_and_resume(feature_dir, target) -> None:
+    root, samples = feature_dir
+    files = feature_files(root / "feats")
+    assert [f.name for f in files] == ["feats-00000.safetensors", "feats-00001.safetensors"]
+    seqs = [s for f in files for s in load_feature_file(f)]
+    assert [s.id for s in seqs] == [s["id"] for s in samples]
+    for seq, sample in zip(seqs, samples, strict=True):
+        ids = sample["prompt_ids"] + sample["response_ids"]
+        assert seq.ids.tolist() == ids and seq.prompt_len == len(sample["prompt_ids"])
+        # The features the engine computes at inference (cached prefill, no padding).
+        _, ref = target.forward(torch.tensor([ids]), target.new_cache(len(ids)), LAYERS)
+        assert seq.feats.dtype == torch.float16 and seq.feats.shape == ref.shape
+        torch.testing.assert_close(seq.feats.float(), ref, rtol=2e-2, atol=2e-2)
+    # A rerun skips finished shards.
+    before = [f.stat().st_mtime_ns for f in files]
+    build_features(target, root / "data", root / "feats", LAYERS, batch_tokens=200, progress=False)
+    assert [f.stat().st_mtime_ns for f in files] == before
+
+
+def test_lr_schedule() -> None:
+    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.55)
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+def test_train_end_to_end(feature_dir, target) -> None:
+    root, _ = feature_dir
+    cfg = TrainConfig(features=str(root / "feats"), out=str(root / "run"), num_layers=1, block_size=8,
+                      init="target:29", lr=1e-3, warmup=2, steps=40, seqs_per_step=1, anchors_per_seq=4,
+                      log_every=10, eval_every=20, save_every=20, eval_seqs=3)
+    drafter = train(cfg, target, progress=False)
+    log = [json.loads(x) for x in (root / "run" / "log.jsonl").read_text().splitlines()]
+    head, log = log[0], log[1:]
+    assert head["step"] == 0 and 0 <= head["bigram_acc1"] <= 1 and head["eval_seqs"] == 3
+    assert [r["step"] for r in log] == [10, 20, 30, 40]
+    assert log[-1]["loss"] < 0.6 * log[0]["loss"]  # it learns the training sequences
+    assert "eval" in log[1] and len(log[1]["eval"]["acc"]) == 7
+    assert (root / "run" / "step-000020" / "model.safetensors").is_file()
+    loaded = load_drafter(root / "run" / "final")
+    assert loaded.config.target_layer_ids == LAYERS and loaded.config.block_size == 8
+    check_fit(loaded.config, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+              num_layers=target.num_layers)
+    for k, v in drafter.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[k], v.to(torch.bfloat16).float())
+
+
+def test_bigram_accuracy() -> None:
+    def seq(ids: list[int], p: int) -> Sequence:
+        return Sequence(id="x", ids=torch.tensor(ids), prompt_len=p, feats=torch.zeros(len(ids), 1))
+
+    train_seqs = [seq([9, 9, 1, 2, 1, 2, 1, 3], 2)]  # reply: 1 -> 2 twice, 1 -> 3 once, 2 -> 1 twice
+    assert bigram_accuracy(train_seqs, [seq([5, 1, 2, 1, 3], 1)]) == pytest.approx(2 / 3)  # misses 1 -> 3
+    assert bigram_accuracy(train_seqs, [seq([5, 1, 2], 1)]) == 1.0
+
+
+def test_init_from_target_copies_layers(target) -> None:
+    from dflash_core.drafter import DFlashDrafter, config_for_target
+
+    d = DFlashDrafter(config_for_target(target.config, num_layers=2, mask_token_id=0))
+    init_from_target(d, target.model, [28, 29])
+    src = target.model.model.layers[29]
+    assert torch.equal(d.layers[1].self_attn.q_proj.weight, src.self_attn.q_proj.weight)
+    assert torch.equal(d.layers[1].mlp.down_proj.weight, src.mlp.down_proj.weight)
+    assert torch.equal(d.layers[0].input_layernorm.weight, target.model.model.layers[28].input_layernorm.weight)
+    with pytest.raises(ValueError):
+        init_from_target(d, target.model, [29])
