@@ -24,6 +24,7 @@ from .cache import DraftCache
 from .errors import DFlashError
 
 WEIGHTS_NAME = "model.safetensors"
+_REQUIRED = object()
 CONFIG_NAME = "config.json"
 
 
@@ -60,33 +61,45 @@ class DFlashConfig:
     def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
         d = dict(d)
         dflash = d.pop("dflash_config", None) or {}
-        try:
-            n_layers = int(d.pop("num_hidden_layers"))
-            n_target = int(d.pop("num_target_layers"))
-            hidden = int(d.pop("hidden_size"))
-            heads = int(d.pop("num_attention_heads"))
-            cfg = cls(
-                hidden_size=hidden,
-                intermediate_size=int(d.pop("intermediate_size")),
-                num_hidden_layers=n_layers,
-                num_attention_heads=heads,
-                num_key_value_heads=int(d.pop("num_key_value_heads", heads)),
-                head_dim=int(d.pop("head_dim", None) or hidden // heads),
-                vocab_size=int(d.pop("vocab_size")),
-                num_target_layers=n_target,
-                target_layer_ids=list(
-                    dflash.get("target_layer_ids") or default_target_layer_ids(n_target, n_layers)
-                ),
-                mask_token_id=int(dflash["mask_token_id"]),
-                block_size=int(d.pop("block_size", 16)),
-                rms_norm_eps=float(d.pop("rms_norm_eps", 1e-6)),
-                rope_theta=float(_rope_theta(d)),
-                max_position_embeddings=int(d.pop("max_position_embeddings", 40960)),
-                bos_token_id=d.pop("bos_token_id", None),
-                eos_token_id=d.pop("eos_token_id", None),
-            )
-        except KeyError as e:
-            raise DFlashError(f"drafter config.json lacks the field {e.args[0]!r}") from None
+        if not isinstance(dflash, dict):
+            raise DFlashError("drafter config.json: dflash_config must be an object")
+
+        def take(key: str, cast: type = int, default: Any = _REQUIRED, src: dict[str, Any] = d) -> Any:
+            if key not in src and default is _REQUIRED:
+                raise DFlashError(f"drafter config.json lacks the field {key!r}")
+            value = src.pop(key, default) if src is d else src.get(key, default)
+            if value is None and default is not _REQUIRED:
+                return default
+            try:
+                return cast(value)
+            except (TypeError, ValueError):
+                raise DFlashError(f"drafter config.json: {key} = {value!r} is not a valid {cast.__name__}") from None
+
+        n_layers, n_target = take("num_hidden_layers"), take("num_target_layers")
+        hidden, heads = take("hidden_size"), take("num_attention_heads")
+        if min(n_layers, n_target, hidden, heads) < 1:
+            raise DFlashError("drafter config.json: layer counts, hidden size and heads must be positive")
+        ids = dflash.get("target_layer_ids") or default_target_layer_ids(n_target, n_layers)
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise DFlashError(f"drafter config.json: target_layer_ids must be a list of integers, got {ids!r}")
+        cfg = cls(
+            hidden_size=hidden,
+            intermediate_size=take("intermediate_size"),
+            num_hidden_layers=n_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=take("num_key_value_heads", default=heads),
+            head_dim=take("head_dim", default=hidden // heads),
+            vocab_size=take("vocab_size"),
+            num_target_layers=n_target,
+            target_layer_ids=list(ids),
+            mask_token_id=take("mask_token_id", src=dflash),
+            block_size=take("block_size", default=16),
+            rms_norm_eps=take("rms_norm_eps", float, default=1e-6),
+            rope_theta=float(_rope_theta(d)),
+            max_position_embeddings=take("max_position_embeddings", default=40960),
+            bos_token_id=d.pop("bos_token_id", None),
+            eos_token_id=d.pop("eos_token_id", None),
+        )
         d.pop("rope_theta", None)
         d.pop("rope_parameters", None)
         cfg.extra = d
@@ -385,6 +398,11 @@ def load_drafter(spec: str | os.PathLike[str], device: str | torch.device = "cpu
         raise DFlashError(f"drafter weights in {folder} lack {sorted(missing)[:5]} ({len(missing)} missing)")
     for k in unexpected:  # e.g. an embedding some exporters add; we use the target's own
         state.pop(k)
+    wrong = [f"{k}: weights {tuple(v.shape)}, config {tuple(drafter.state_dict()[k].shape)}"
+             for k, v in state.items() if tuple(v.shape) != tuple(drafter.state_dict()[k].shape)]
+    if wrong:
+        raise DFlashError(f"drafter weights in {folder} have the wrong shape for its config.json: "
+                          + "; ".join(wrong[:3]))
     drafter.load_state_dict(state, assign=True)
     return drafter.to(device=device, dtype=dtype).eval()
 
@@ -396,6 +414,8 @@ def check_fit(cfg: DFlashConfig, *, hidden_size: int, vocab_size: int, num_layer
         problems.append(f"hidden size: drafter {cfg.hidden_size}, target {hidden_size}")
     if cfg.vocab_size != vocab_size:
         problems.append(f"vocabulary: drafter {cfg.vocab_size}, target {vocab_size}")
+    if cfg.num_target_layers != num_layers:
+        problems.append(f"target depth: drafter trained for {cfg.num_target_layers} layers, target has {num_layers}")
     bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
     if bad:
         problems.append(f"target_layer_ids {bad} beyond the target's {num_layers} layers")

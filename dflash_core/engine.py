@@ -201,12 +201,12 @@ class Engine:
             if cfg.greedy:
                 probs = torch.softmax(logits, -1)
                 conf, guess = probs.max(-1)
-                order = torch.where(fixed, -1.0, conf)  # most confident unfixed first
+                order = torch.where(fixed, float("-inf"), conf)  # most confident unfixed first
             else:
                 q = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 guess = sample(q, gen)
                 conf = q.gather(-1, guess[:, None])[:, 0]
-                order = torch.where(fixed, -1.0, -torch.arange(n, device=dev, dtype=torch.float))
+                order = torch.where(fixed, float("-inf"), -torch.arange(n, device=dev, dtype=torch.float))
             guess = torch.where(fixed, tokens[1:], guess)
             conf = torch.where(fixed, chosen_p, conf)
             newly = torch.zeros_like(fixed)

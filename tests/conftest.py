@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,7 +12,9 @@ from dflash_core.engine import Engine
 from dflash_core.events import Finished
 from dflash_core.targets import Target, load_target
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+# On a machine shared with other busy processes, DFLASH_TEST_THREADS=1 avoids oversubscription.
+if os.environ.get("DFLASH_TEST_THREADS"):
+    torch.set_num_threads(int(os.environ["DFLASH_TEST_THREADS"]))
 
 
 @pytest.fixture(scope="session")
