@@ -5,6 +5,10 @@
 
 A target or drafter that cannot be loaded ends the program with one error line and exit code 2,
 before any server starts.
+
+On a Hugging Face Space (SPACE_ID set) without the embedded GGUF package, the target defaults to
+its hub original HuggingFaceTB/SmolLM2-135M-Instruct, and the generation handlers are wrapped in
+`spaces.GPU` when the `spaces` package imports (ZeroGPU). See app/hosting.py.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import argparse
 import sys
 import time
 
+from app import hosting  # env checks only: no torch, no gradio
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="DFlash Studio: watch block-diffusion speculative decoding.")
@@ -20,20 +26,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--draft", default=None, help="DFlash drafter: hub id or folder, or 'none' for plain decoding")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="auto, bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all interfaces)")
-    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--host", default=hosting.default_host(),
+                   help="address to listen on (0.0.0.0 for all interfaces; default: $GRADIO_SERVER_NAME or 127.0.0.1)")
+    p.add_argument("--port", type=int, default=hosting.default_port(), help="default: $GRADIO_SERVER_PORT or 7860")
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # Before torch: ZeroGPU's `spaces` must be imported before CUDA is touched.
+    gpu = hosting.gpu_decorator()
     print("[dflash] loading the engine (torch, target, drafter) ...", flush=True)
     t0 = time.perf_counter()
     import dflash_core  # imported here so --help answers without loading torch
 
+    target = hosting.pick_target(args.target)
+    if target != args.target:
+        print(f"[dflash] on a Space without the embedded GGUF: loading the target {target} from the hub", flush=True)
     try:
-        engine = dflash_core.load(target=args.target, draft=args.draft, device=args.device, dtype=args.dtype)
+        engine = dflash_core.load(target=target, draft=args.draft, device=args.device, dtype=args.dtype)
     except dflash_core.DFlashError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -51,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from app.ui import build_app, launch_kwargs
 
     print("[dflash] building the app ...", flush=True)
-    demo = build_app(engine)
+    demo = build_app(engine, gpu=gpu)
     demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_kwargs())
     return 0
 

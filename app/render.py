@@ -2,12 +2,16 @@
 
 Every token string and every title is HTML-escaped: tokens are arbitrary model output
 (`<script>`, quotes, `&`), and the panel is injected as raw HTML.
+
+Byte-level tokenizers split a multi-byte character (é, 中, an emoji) over several tokens, and each
+piece alone decodes to "\ufffd". Given the tokenizer's `decode`, the view shows such a character
+once, on the token that completes it (see `merge_partial`).
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from dflash_core.events import BlockEvent
 
@@ -25,6 +29,38 @@ LEGEND = (
     "</div>"
 )
 EMPTY = '<div class="spec-empty">The coloured tokens of the next reply appear here, block by block.</div>'
+PARTIAL = "\ufffd"  # what a lone piece of a multi-byte UTF-8 character decodes to
+MAX_PIECES = 4  # a UTF-8 character has at most 4 bytes, so at most 4 byte-level tokens
+
+Decode = Callable[[list[int]], str]
+
+
+def merge_partial(ids: Sequence[int], texts: Sequence[str], decode: Decode | None) -> list[str]:
+    """Display strings for a run of tokens: partial UTF-8 pieces merged into the token completing them.
+
+    A piece whose text holds "\ufffd" is joined with the following tokens (up to MAX_PIECES in
+    all) until `decode` of the group is clean; the group's text then goes on its last token and
+    the earlier pieces show "". A piece that cannot be completed (the reply so far ends in the
+    middle of a character) keeps its own text.
+    """
+    out = list(texts)
+    if decode is None:
+        return out
+    i = 0
+    while i < len(ids):
+        if PARTIAL not in texts[i]:
+            i += 1
+            continue
+        for end in range(i + 2, min(i + MAX_PIECES, len(ids)) + 1):
+            joined = decode(list(ids[i:end]))
+            if PARTIAL not in joined:
+                out[i : end - 1] = [""] * (end - 1 - i)
+                out[end - 1] = joined
+                i = end
+                break
+        else:
+            i += 1
+    return out
 
 
 def _span(text: str, cls: str, title: str) -> str:
@@ -54,18 +90,26 @@ def _text_of(texts: Sequence[str], i: int) -> str:
     return texts[i] if i < len(texts) else "\ufffd"
 
 
-def block_html(ev: BlockEvent, keep: int | None = None) -> str:
+def block_html(ev: BlockEvent, keep: int | None = None, texts: Sequence[str] | None = None) -> str:
     """One event: accepted drafts, then rejected drafts (struck), then the target's token.
 
     `keep`: length of the final reply. A block may commit past max_new_tokens or past EOS;
     those tokens are cut from the reply, so they are marked TRIMMED rather than hidden.
+    `texts`: display strings of the committed tokens (default: `ev.committed_text`); "" drops a
+    span whose text is shown merged into a later token's.
     """
     first = ev.tokens_so_far - len(ev.committed)  # reply index of this event's first token
+    shown = ev.committed_text if texts is None else texts
 
     def committed(j: int, cls: str, title: str) -> str:
+        text = _text_of(shown, j)
+        if texts is not None and not text and j < len(ev.committed_text):
+            return ""  # a partial UTF-8 piece: its character shows on the token that completes it
+        if texts is not None and j < len(ev.committed_text) and text != ev.committed_text[j]:
+            title += " · shown with the byte pieces before it (one multi-byte character)"
         if keep is not None and first + j >= keep:
             cls, title = f"{cls} {TRIMMED}", f"{title} · past the end of the reply (trimmed)"
-        return _span(_text_of(ev.committed_text, j), cls, title)
+        return _span(text, cls, title)
 
     spans: list[str] = []
     parity = "blk-odd" if ev.index % 2 else "blk-even"
@@ -83,12 +127,22 @@ def block_html(ev: BlockEvent, keep: int | None = None) -> str:
     return f'<span class="blk {parity}" data-block="{ev.index}">{"".join(spans)}</span>'
 
 
-def render_view(events: Sequence[BlockEvent], keep: int | None = None) -> str:
+def render_view(events: Sequence[BlockEvent], keep: int | None = None, decode: Decode | None = None) -> str:
     """The whole reply so far. `white-space: pre-wrap` (style.css) keeps newlines and indents.
 
-    `keep`: the final reply's token count, once known (see `block_html`).
+    `keep`: the final reply's token count, once known (see `block_html`). `decode`: the
+    tokenizer's ids → text, to merge partial UTF-8 pieces (which may straddle blocks).
     """
     if not events:
         return f'<div class="spec-view">{LEGEND}{EMPTY}</div>'
-    body = "".join(block_html(ev, keep) for ev in events)
+    per_event: list[Sequence[str] | None] = [None] * len(events)
+    if decode is not None:
+        ids = [t for ev in events for t in ev.committed]
+        texts = [_text_of(ev.committed_text, j) for ev in events for j in range(len(ev.committed))]
+        merged = merge_partial(ids, texts, decode)
+        at = 0
+        for k, ev in enumerate(events):
+            per_event[k] = merged[at : at + len(ev.committed)]
+            at += len(ev.committed)
+    body = "".join(block_html(ev, keep, per_event[k]) for k, ev in enumerate(events))
     return f'<div class="spec-view">{LEGEND}<div class="spec-tokens">{body}</div></div>'

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from dflash_core.events import BlockEvent, Finished
 
@@ -91,7 +93,13 @@ class Session:
     The cancel flag lives here so the Stop handler (a separate, unqueued-in-practice event of
     the same visitor) can reach the running generation; a `threading.Event` cannot be deep
     copied, hence the custom `__deepcopy__`.
+
+    Step mode keeps the engine's suspended generator here between "Next block" clicks. A live
+    generator can be neither copied nor pickled, so copies and pickles (ZeroGPU ships handler
+    arguments to a worker process) leave it out: such a copy simply has no reply in progress.
     """
+
+    _NOT_COPIED = ("cancel", "stepper")
 
     def __init__(self) -> None:
         self.history: list[Message] = []  # completed turns, plain text
@@ -102,18 +110,27 @@ class Session:
         self.notes: list[str] = []  # per-reply warnings (e.g. max_new_tokens lowered)
         self.greedy = True  # whether the latest reply decoded greedily (exact token match expected)
         self.cancel = threading.Event()
+        self.stepper: Iterator[BlockEvent | Finished] | None = None  # step mode's suspended generation
 
     def __deepcopy__(self, memo: dict[int, object]) -> Session:
         new = Session()
         for name, value in self.__dict__.items():
-            if name != "cancel":
+            if name not in self._NOT_COPIED:
                 setattr(new, name, copy.deepcopy(value, memo))
         return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._NOT_COPIED}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+        self.__dict__.update(state)
 
     # ----- the conversation -----
 
     def begin(self, user_text: str) -> list[Message]:
         """Start a reply to `user_text`; returns the plain-text messages to send to the model."""
+        self.close_step()  # a new prompt ends a stepped reply (kept as it stands, like Stop)
         self.history.append({"role": "user", "content": user_text})
         self.reply = ""
         self.events = []
@@ -141,8 +158,22 @@ class Session:
             self.history.append({"role": "assistant", "content": self.reply})
             self.reply = None
 
+    def close_step(self, keep: bool = True) -> None:
+        """End step mode's suspended generation, if any. `keep`: keep the partial reply in history.
+
+        `close()` raises GeneratorExit inside the engine's loop, so it stops where it is and
+        its KV caches are freed now rather than whenever the generator is collected.
+        """
+        if self.stepper is None:
+            return
+        stepper, self.stepper = self.stepper, None
+        stepper.close()
+        if keep:
+            self.abort()
+
     def pop_last_turn(self) -> str | None:
         """Remove the last user turn (and its reply) for Regenerate; returns the user's text."""
+        self.close_step()
         if self.history and self.history[-1]["role"] == "assistant":
             self.history.pop()
         if self.history and self.history[-1]["role"] == "user":
@@ -151,6 +182,7 @@ class Session:
 
     def reset(self) -> None:
         """Clear in place: a running generation's handler holds this same object."""
+        self.close_step(keep=False)
         cancel = self.cancel
         self.__init__()
         self.cancel = cancel

