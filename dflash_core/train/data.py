@@ -330,65 +330,113 @@ def generate_batch(target: Any, prompts: list[list[int]], temps: list[float], ma
     return replies
 
 
-def run_generate(args: argparse.Namespace) -> None:
+def generate_into(
+    target: Any,
+    out: str | os.PathLike[str],
+    *,
+    source: str = "sharegpt",
+    limit: int = 0,
+    batch_size: int = 16,
+    shard_size: int = 64,
+    max_new_tokens: int = 256,
+    max_prompt_tokens: int = 384,
+    max_prompt_chars: int = 4000,
+    sample_share: float = 0.25,
+    t_min: float = 0.7,
+    t_max: float = 1.0,
+    seed: int = 0,
+    decontaminate: bool = True,
+    from_end: bool = False,
+    deadline: float | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Regenerate replies with an already loaded `target` until `out` holds `limit` samples
+    (0: every prompt), or until the wall clock passes `deadline` (time.time()). Returns stats.
+
+    `from_end` walks the shuffled prompts from the end: a second machine topping up a copy of a
+    folder that another process fills from the start then makes no duplicate prompts.
+    The deadline is checked before each batch, using the last batch's time as the estimate, so
+    a time-boxed run (a GPU lease) stops in time and keeps what it made.
+    """
     import torch
     from tqdm import tqdm
 
-    from ..targets import load_target
-
-    torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stats: dict[str, int] = {}
     t0 = time.time()
-    prompts = load_prompts(args.source, seed=args.seed, max_chars=args.max_prompt_chars,
-                           decontaminate=not args.no_decontaminate, stats=stats)
+    prompts = load_prompts(source, seed=seed, max_chars=max_prompt_chars, decontaminate=decontaminate, stats=stats)
+    if from_end:
+        prompts.reverse()
     print(f"[data] prompts: {json.dumps(stats)} ({time.time() - t0:.0f}s)", flush=True)
     done = done_ids(out)
     shards = shard_paths(out)
     next_shard = int(shards[-1].name.split("-")[1].split(".")[0]) + 1 if shards else 0
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
     tok = target.tokenizer
     eos = target.eos_ids
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
-    settings = {"target": target.name, "source": args.source, "seed": args.seed,
-                "max_new_tokens": args.max_new_tokens, "max_prompt_tokens": args.max_prompt_tokens,
-                "sample_share": args.sample_share, "temperature_range": [args.t_min, args.t_max]}
+    settings = {"target": target.name, "source": source, "seed": seed, "max_new_tokens": max_new_tokens,
+                "max_prompt_tokens": max_prompt_tokens, "sample_share": sample_share,
+                "temperature_range": [t_min, t_max], "from_end": from_end,
+                "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device)}
     stats["too_many_tokens"] = 0
 
-    want = args.limit - len(done) if args.limit else len(prompts)
+    want = limit - len(done) if limit else len(prompts)
     print(f"[data] {len(done)} samples already in {out}; generating up to {max(want, 0)} more", flush=True)
     todo = iter(p for p in prompts if p.id not in done)
-    bar = tqdm(total=max(want, 0), unit="sample", dynamic_ncols=True, mininterval=1 if sys.stderr.isatty() else 30)
-    made, gen_tokens, t_start = 0, 0, time.time()
-    while made < want:
-        chunk = _next_chunk(todo, min(args.shard_size, want - made), target, args.max_prompt_tokens, stats)
+    bar = tqdm(total=max(want, 0), unit="sample", dynamic_ncols=True, disable=not progress,
+               mininterval=1 if sys.stderr.isatty() else 30)
+    made, gen_tokens, t_start, last_batch_s = 0, 0, time.time(), 0.0
+    timed_out = False
+    while made < want and not timed_out:
+        chunk = _next_chunk(todo, min(shard_size, want - made), target, max_prompt_tokens, stats)
         if not chunk:
             break
         # Sorting by length before batching cuts left padding (the prompts' cost per step).
         chunk.sort(key=lambda c: len(c[1]))
         samples = []
-        for b in range(0, len(chunk), args.batch_size):
-            batch = chunk[b: b + args.batch_size]
-            temps = [sampling_temperature(p.id, args.seed, args.sample_share, args.t_min, args.t_max)
-                     for p, _ in batch]
-            torch.manual_seed(hash((args.seed, next_shard, b)) & 0x7FFFFFFF)
-            replies = generate_batch(target, [ids for _, ids in batch], temps, args.max_new_tokens, eos, pad_id)
+        for b in range(0, len(chunk), batch_size):
+            if deadline is not None and time.time() + last_batch_s > deadline:
+                timed_out = True
+                break
+            tb = time.time()
+            batch = chunk[b: b + batch_size]
+            temps = [sampling_temperature(p.id, seed, sample_share, t_min, t_max) for p, _ in batch]
+            torch.manual_seed(hash((seed, next_shard, b)) & 0x7FFFFFFF)
+            replies = generate_batch(target, [ids for _, ids in batch], temps, max_new_tokens, eos, pad_id)
             for (p, ids), reply, t in zip(batch, replies, temps, strict=True):
                 samples.append({"id": p.id, "prompt_ids": ids, "response_ids": reply, "temperature": t})
                 gen_tokens += len(reply)
+            last_batch_s = time.time() - tb
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{gen_tokens / (time.time() - t_start):.1f}", shard=next_shard)
-        write_atomic(out / f"shard-{next_shard:05d}.jsonl.gz", encode_shard(samples))
-        next_shard += 1
-        made += len(samples)
-        write_manifest(out, settings, stats)
+        if samples:  # a time-boxed stop keeps the finished batches of this shard
+            write_atomic(out / f"shard-{next_shard:05d}.jsonl.gz", encode_shard(samples))
+            next_shard += 1
+            made += len(samples)
+            write_manifest(out, settings, stats)
     bar.close()
     write_manifest(out, settings, stats)
     dt = time.time() - t_start
     print(f"[data] made {made} samples, {gen_tokens} reply tokens in {dt:.0f}s "
           f"({gen_tokens / max(dt, 1e-9):.1f} tok/s); skipped {stats['too_many_tokens']} over "
-          f"{args.max_prompt_tokens} prompt tokens", flush=True)
+          f"{max_prompt_tokens} prompt tokens{' (stopped by the time budget)' if timed_out else ''}", flush=True)
+    return {"made": made, "reply_tokens": gen_tokens, "seconds": round(dt, 1),
+            "tok_s": round(gen_tokens / max(dt, 1e-9), 1), "timed_out": timed_out, "prompt_filter": stats}
+
+
+def run_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from ..targets import load_target
+
+    torch.set_num_threads(args.threads)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    generate_into(target, args.out, source=args.source, limit=args.limit, batch_size=args.batch_size,
+                  shard_size=args.shard_size, max_new_tokens=args.max_new_tokens,
+                  max_prompt_tokens=args.max_prompt_tokens, max_prompt_chars=args.max_prompt_chars,
+                  sample_share=args.sample_share, t_min=args.t_min, t_max=args.t_max, seed=args.seed,
+                  decontaminate=not args.no_decontaminate)
 
 
 def _next_chunk(todo: Iterator[Prompt], n: int, target: Any, max_tokens: int,
@@ -429,6 +477,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     p = sub.add_parser("prompts", help="load and filter prompts, print the counts")
     p.add_argument("--source", default="sharegpt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="", help="also write them to this JSONL(.gz) of {id, prompt}: a small, "
+                   "already filtered source for a machine without the ShareGPT package (a GPU lease)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.cmd == "generate":
         run_generate(args)
@@ -436,6 +486,10 @@ def main(argv: Iterable[str] | None = None) -> None:
         stats: dict[str, int] = {}
         prompts = load_prompts(args.source, seed=args.seed, stats=stats)
         print(json.dumps(stats))
+        if args.out:
+            lines = "".join(json.dumps({"id": q.id, "prompt": q.text}) + "\n" for q in prompts).encode()
+            write_atomic(Path(args.out), gzip.compress(lines, 9, mtime=0) if args.out.endswith(".gz") else lines)
+            print(f"wrote {len(prompts)} prompts to {args.out}")
         for q in prompts[:5]:
             print(q.id, repr(q.text[:100]))
 

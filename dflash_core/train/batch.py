@@ -1,0 +1,153 @@
+"""Several training sequences in one drafter forward: right padding, per-row anchors and masks.
+
+`recipe.build_blocks` lays out the blocks of ONE sequence; here a batch of sequences becomes
+one [b, ...] tensor set for `DFlashDrafter.forward_train`:
+
+- context: positions [0, T) of every row, T = the largest anchor in the batch (features at or
+  after a row's last anchor are never attended, so nothing longer is needed). Rows are right
+  padded; padded positions p >= len(row) > every anchor of that row, so the mask never lets a
+  block see them, and the target is causal, so padding after a row cannot change its features.
+- blocks: every row gets N = max anchors per row blocks; a row with fewer anchors gets dummy
+  blocks that attend only to themselves (a query row with no key at all would give NaN) and
+  carry no label and no weight.
+
+Features come either from the disk cache (`features.py`, fp16) or ONLINE: the frozen target
+reads the padded context batch once per step (`context_features`). On a GPU the target is
+tiny next to the step, so a cache would only cost disk and start-up time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .recipe import IGNORE, build_blocks
+
+
+@dataclass
+class PaddedBatch:
+    ids: torch.Tensor  # [b, T] long: context tokens, right padded with 0
+    lengths: list[int]  # real context length of each row (<= T)
+    input_ids: torch.Tensor  # [b, N*B] anchor token then mask tokens, per block
+    positions: torch.Tensor  # [b, N*B] absolute positions of the block tokens
+    labels: torch.Tensor  # [b, N*B] IGNORE at anchors, past a sequence's end and in dummy blocks
+    weights: torch.Tensor  # [b, N*B] loss weight, 0 wherever the label is IGNORE
+    mask: torch.Tensor  # bool [b, 1, N*B, T + N*B]
+    block_size: int
+
+    @property
+    def context_len(self) -> int:
+        return int(self.ids.shape[1])
+
+    def to(self, device: torch.device | str) -> PaddedBatch:
+        return PaddedBatch(self.ids.to(device), self.lengths, self.input_ids.to(device), self.positions.to(device),
+                           self.labels.to(device), self.weights.to(device), self.mask.to(device), self.block_size)
+
+
+def collate(rows: list[tuple[torch.Tensor, list[int]]], block_size: int, mask_token_id: int,
+            gamma: float | None = None) -> PaddedBatch:
+    """`rows`: (ids [L], sorted anchors) per sequence, each with at least one anchor."""
+    if not rows or any(not a for _, a in rows):
+        raise ValueError("every row needs at least one anchor")
+    n_max = max(len(a) for _, a in rows)
+    t = max(max(a) for _, a in rows)
+    b = block_size
+    ids = torch.zeros((len(rows), t), dtype=torch.long)
+    parts = []
+    lengths = []
+    for r, (seq, anchors) in enumerate(rows):
+        seq = torch.as_tensor(seq, dtype=torch.long)
+        n = min(t, seq.shape[0])
+        ids[r, :n] = seq[:n]
+        lengths.append(n)
+        # Dummy anchors at 0: they see no context key (p < 0) and only their own block.
+        bb = build_blocks(seq, [*anchors, *[0] * (n_max - len(anchors))], b, mask_token_id, gamma, context_len=t)
+        real = len(anchors) * b
+        bb.labels[real:] = IGNORE
+        bb.weights[real:] = 0.0
+        parts.append(bb)
+    return PaddedBatch(
+        ids=ids, lengths=lengths,
+        input_ids=torch.stack([p.input_ids for p in parts]), positions=torch.stack([p.positions for p in parts]),
+        labels=torch.stack([p.labels for p in parts]), weights=torch.stack([p.weights for p in parts]),
+        mask=torch.cat([p.mask for p in parts]), block_size=b,
+    )
+
+
+@torch.no_grad()
+def context_features(target: Any, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    """The target's hidden states at `layer_ids`, concatenated: [b, T, len(layer_ids)*H].
+
+    No attention mask: rows are right padded and the target is causal (see the module doc).
+    `logits_to_keep=1`: the LM head over every position would be wasted work.
+    """
+    res = target.model(input_ids=ids.to(target.device), output_hidden_states=True, use_cache=False,
+                       logits_to_keep=1)
+    # hidden_states[0] is the embedding output, so layer i's output is at i + 1.
+    return torch.cat([res.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def cached_features(feats: list[torch.Tensor], t: int) -> torch.Tensor:
+    """Right-padded [b, t, F] from per-sequence cached features (zeros where a row is shorter)."""
+    out = torch.zeros((len(feats), t, feats[0].shape[-1]), dtype=feats[0].dtype)
+    for r, f in enumerate(feats):
+        n = min(t, f.shape[0])
+        out[r, :n] = f[:n]
+    return out
+
+
+@dataclass
+class BatchOutput:
+    logits: torch.Tensor  # [M, V] for the M labelled block positions only
+    labels: torch.Tensor  # [M]
+    weights: torch.Tensor  # [M]
+    rows: torch.Tensor  # [M] row of each labelled position
+    slots: torch.Tensor  # [M] position inside its block (1..B-1)
+
+    def loss(self) -> torch.Tensor:
+        """The weighted cross entropy of the whole batch (one normaliser for all rows, as if all
+        blocks were one sequence's: rows with more valid positions count more)."""
+        ce = F.cross_entropy(self.logits.float(), self.labels, reduction="none")
+        return (ce * self.weights).sum() / self.weights.sum().clamp_min(1e-12)
+
+    @torch.no_grad()
+    def row_loss(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of w*ce, sum of w) per row: each row's own weighted loss is their ratio."""
+        ce = F.cross_entropy(self.logits.float(), self.labels, reduction="none")
+        num = torch.zeros(n_rows, device=ce.device).index_add_(0, self.rows, ce * self.weights)
+        den = torch.zeros(n_rows, device=ce.device).index_add_(0, self.rows, self.weights)
+        return num, den
+
+    @torch.no_grad()
+    def position_hits(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hits, counts), each [B] on the CPU: argmax accuracy per block position."""
+        ok = (self.logits.argmax(-1) == self.labels).long()
+        hits = torch.zeros(block_size, dtype=torch.long, device=ok.device).index_add_(0, self.slots, ok)
+        counts = torch.zeros(block_size, dtype=torch.long, device=ok.device).index_add_(
+            0, self.slots, torch.ones_like(ok))
+        return hits.cpu(), counts.cpu()
+
+
+def batch_forward(drafter: Any, target: Any, batch: PaddedBatch, context: torch.Tensor,
+                  autocast: torch.dtype | None = None) -> BatchOutput:
+    """Drafter logits for the labelled positions of a padded batch (frozen target embedding/head).
+
+    Only labelled positions go through the LM head: the anchor slot (1/B of all) and padding
+    never need a [V]-wide row, and the head is the largest matrix product of the step.
+    """
+    dev = drafter.fc.weight.device
+    batch = batch.to(dev)
+    with torch.no_grad():
+        emb = target.embed(batch.input_ids.to(target.device)).to(dev)
+    valid = batch.labels != IGNORE
+    with torch.autocast(dev.type, dtype=autocast, enabled=autocast is not None):
+        dtype = autocast or drafter.fc.weight.dtype
+        hidden = drafter.forward_train(context.to(dev, dtype), emb.to(dtype), batch.positions, batch.mask)
+        logits = target.lm_head(hidden[valid])
+    rows = torch.arange(valid.shape[0], device=dev)[:, None].expand_as(valid)[valid]
+    slots = (torch.arange(valid.shape[1], device=dev) % batch.block_size)[None, :].expand_as(valid)[valid]
+    return BatchOutput(logits=logits, labels=batch.labels[valid], weights=batch.weights[valid].float(),
+                       rows=rows, slots=slots)

@@ -1,0 +1,519 @@
+"""`python -m dflash_core train`: data top-up, drafter training, real speculative evaluation.
+
+One command, so a short GPU lease is one call:
+
+1. optionally regenerate N more replies with the target (`--generate`, batched; time-boxed);
+2. train with several sequences per step (`batch.py`): ONLINE target features (the frozen
+   target reads the padded batch each step) or the disk feature cache (`features.py`);
+   AdamW, warm-up + cosine, grad clip, bf16 autocast on CUDA; stops at `--steps` or when
+   `--max-minutes` of training have passed (`--steps 0`: as many as the time allows, with
+   the cosine schedule fitted to the measured step time);
+3. measures tau with REAL speculative decoding (`Engine.generate`, temperature 0) on held-out
+   prompt sets (HumanEval/GSM8K were removed from the training prompts);
+4. writes the z-lab checkpoint (config.json + model.safetensors) into `--out`, plus
+   `train_report.json`, `log.jsonl` and `train_state.pt` (fp32 weights + optimizer, for `--resume`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..drafter import CONFIG_NAME, DFlashConfig, DFlashDrafter, default_target_layer_ids
+from ..errors import DFlashError
+from .batch import PaddedBatch, batch_forward, cached_features, collate, context_features
+from .data import generate_into, iter_samples, shard_paths
+from .features import build_features, load_feature_file
+from .loop import TrainConfig, bigram_accuracy, build_drafter, lr_factor
+from .recipe import expected_accepted, sample_anchors
+
+STATE_NAME = "train_state.pt"
+REPORT_NAME = "train_report.json"
+LOG_NAME = "log.jsonl"
+
+
+@dataclass
+class Sample:
+    id: str
+    ids: torch.Tensor  # [L] prompt + response
+    prompt_len: int
+    feats: torch.Tensor | None = None  # cached target features [L, F] (cache mode only)
+
+
+def is_heldout(sample_id: str, percent: float) -> bool:
+    """A stable split by id: the same samples stay held out as the data folder grows or moves."""
+    h = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:4], "big") / 2**32
+    return h * 100 < percent
+
+
+def load_samples(folders: list[Path]) -> list[Sample]:
+    """Every sample of every folder, first occurrence of an id wins (folders may overlap)."""
+    seen: set[str] = set()
+    out: list[Sample] = []
+    for folder in folders:
+        for s in iter_samples(folder):
+            if s["id"] in seen or len(s["response_ids"]) < 2:
+                continue
+            seen.add(s["id"])
+            out.append(Sample(s["id"], torch.tensor(s["prompt_ids"] + s["response_ids"], dtype=torch.long),
+                              len(s["prompt_ids"])))
+    return out
+
+
+def attach_cached_features(target: Any, samples: list[Sample], folders: list[Path], cache_root: Path,
+                           layer_ids: list[int], progress: bool) -> None:
+    """Cache mode: build (or reuse) the per-shard feature files, then hang features on samples."""
+    by_id = {s.id: s for s in samples}
+    for folder in folders:
+        key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:10]
+        dest = cache_root / f"{folder.name}-{key}"
+        for f in build_features(target, folder, dest, layer_ids, progress=progress):
+            for seq in load_feature_file(f):
+                s = by_id.get(seq.id)
+                if s is not None and s.feats is None and torch.equal(seq.ids, s.ids):
+                    s.feats = seq.feats
+    missing = [s.id for s in samples if s.feats is None]
+    if missing:
+        raise DFlashError(f"no cached features for {len(missing)} samples (e.g. {missing[0]})")
+
+
+class Stream:
+    """Endless shuffled epochs over the training samples (seeded, so a run is repeatable)."""
+
+    def __init__(self, samples: list[Sample], seed: int) -> None:
+        if not samples:
+            raise DFlashError("no training samples (all held out, or the data folders are empty)")
+        self.samples = samples
+        self.g = torch.Generator().manual_seed(seed)
+        self.order: list[int] = []
+        self.epoch = 0
+
+    def take(self, n: int) -> list[Sample]:
+        out = []
+        while len(out) < n:
+            if not self.order:
+                self.order = torch.randperm(len(self.samples), generator=self.g).tolist()
+                self.epoch += 1
+            out.append(self.samples[self.order.pop()])
+        return out
+
+
+def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mask_token_id: int,
+               gamma: float | None, g: torch.Generator) -> tuple[PaddedBatch, list[Sample]] | None:
+    rows, used = [], []
+    for s in samples:
+        anchors = sample_anchors(s.prompt_len, len(s.ids), anchors_per_seq, g)
+        if anchors:
+            rows.append((s.ids, anchors))
+            used.append(s)
+    if not rows:
+        return None
+    return collate(rows, block_size, mask_token_id, gamma), used
+
+
+def batch_context(target: Any, batch: PaddedBatch, used: list[Sample], layer_ids: list[int]) -> torch.Tensor:
+    if used[0].feats is not None:
+        return cached_features([s.feats for s in used], batch.context_len)  # type: ignore[misc]
+    return context_features(target, batch.ids, layer_ids)
+
+
+@torch.no_grad()
+def heldout_eval(drafter: DFlashDrafter, target: Any, samples: list[Sample], args: argparse.Namespace,
+                 layer_ids: list[int], autocast: torch.dtype | None) -> dict[str, Any]:
+    """Teacher-forced loss and per-position accuracy on held-out replies (fixed anchors)."""
+    drafter.eval()
+    g = torch.Generator().manual_seed(12345)
+    bsz = args.block_size
+    hits = torch.zeros(bsz, dtype=torch.long)
+    counts = torch.zeros(bsz, dtype=torch.long)
+    num = den = 0.0
+    for i in range(0, len(samples), args.batch_seqs):
+        made = make_batch(samples[i: i + args.batch_seqs], args.anchors_per_seq, bsz, drafter.mask_token_id,
+                          args.gamma, g)
+        if made is None:
+            continue
+        batch, used = made
+        out = batch_forward(drafter, target, batch, batch_context(target, batch, used, layer_ids), autocast)
+        n, d = out.row_loss(len(used))
+        num += float(n.sum())
+        den += float(d.sum())
+        h, c = out.position_hits(bsz)
+        hits += h
+        counts += c
+    drafter.train()
+    acc = (hits.float() / counts.clamp_min(1).float()).tolist()
+    return {"samples": len(samples), "loss": round(num / max(den, 1e-12), 5), "acc": [round(a, 4) for a in acc[1:]],
+            "tau_est": round(expected_accepted(hits, counts), 4)}
+
+
+def speculative_eval(drafter: DFlashDrafter, target: Any, sets: list[str], limit: int, max_new_tokens: int,
+                     progress: bool) -> dict[str, Any]:
+    """tau with REAL speculative decoding: the engine drafts, the target verifies (greedy)."""
+    from ..config import GenerationConfig
+    from ..engine import Engine
+    from ..events import Finished
+    from ..prompt_sets import load_prompt_set
+
+    # A copy: the engine casts its drafter to the target's dtype and device in place.
+    engine = Engine(target, copy.deepcopy(drafter))
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    results: dict[str, Any] = {}
+    for name in sets:
+        prompts = load_prompt_set(name, limit)
+        blocks = committed = tokens = 0
+        seconds = 0.0
+        taus = []
+        for turns in prompts:
+            fin = None
+            for ev in engine.generate(turns[0], config):
+                fin = ev
+            assert isinstance(fin, Finished)
+            blocks += fin.blocks
+            committed += round(fin.tau * fin.blocks)
+            tokens += len(fin.token_ids)
+            seconds += fin.elapsed_s
+            taus.append(round(fin.tau, 3))
+        results[name] = {"prompts": len(prompts), "tau": round(committed / max(blocks, 1), 4), "blocks": blocks,
+                         "tokens": tokens, "tok_s": round(tokens / max(seconds, 1e-9), 1), "per_prompt_tau": taus}
+        if progress:
+            print(f"[eval] {name}: tau {results[name]['tau']:.3f} over {blocks} blocks, {len(prompts)} prompts",
+                  flush=True)
+    return results
+
+
+def hardware(device: torch.device) -> dict[str, Any]:
+    hw: dict[str, Any] = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
+                          "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        hw["gpu"] = torch.cuda.get_device_name(device)
+        hw["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+        hw["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    return hw
+
+
+def save_state(path: Path, drafter: DFlashDrafter, opt: torch.optim.Optimizer, sched: Any, info: dict[str, Any]
+               ) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save({"model": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+                "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), **info}, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out: Path, drafter: DFlashDrafter, opt: torch.optim.Optimizer, sched: Any,
+                    info: dict[str, Any], dtype: torch.dtype) -> None:
+    drafter.save(out, dtype=dtype)  # the z-lab folder: loadable by load_drafter, vLLM, SGLang
+    save_state(out / STATE_NAME, drafter, opt, sched, info)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..targets import default_device, load_target
+
+    t_start = time.time()
+    device = args.device or default_device()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    on_cuda = str(device).startswith("cuda")
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 target: TF32 tensor cores, ~fp32 features
+        torch.backends.cudnn.allow_tf32 = True
+    out = Path(args.out)
+    state_path = out / STATE_NAME
+    if state_path.exists() and not args.resume:
+        raise DFlashError(f"{out} holds a training run; pass --resume to continue it, or choose another --out")
+    if args.steps < 0 or (args.steps == 0 and not args.max_minutes):
+        raise DFlashError("--steps 0 (as many as the time allows) needs --max-minutes")
+    if args.batch_seqs < 1 or args.anchors_per_seq < 1:
+        raise DFlashError("--batch-seqs and --anchors-per-seq must be >= 1")
+    features_mode = args.features if args.features != "auto" else ("online" if on_cuda else "cache")
+    autocast = torch.bfloat16 if on_cuda and not args.no_autocast else None
+    progress = not args.no_progress
+    out.mkdir(parents=True, exist_ok=True)
+    folders = [Path(f) for f in args.data.split(",") if f]
+    if not folders:
+        raise DFlashError("--data needs at least one folder")
+
+    target = load_target(args.target, device=device, dtype=args.dtype)
+    for p in target.model.parameters():
+        p.requires_grad_(False)
+    report: dict[str, Any] = {"command": sys.argv, "target": target.name,
+                              "target_dtype": str(target.dtype).removeprefix("torch."), "features": features_mode,
+                              "autocast": None if autocast is None else "bfloat16"}
+
+    # ----- (a) data top-up -----
+    gen_stats = None
+    if args.generate:
+        gen_out = Path(args.gen_out) if args.gen_out else folders[0]
+        if gen_out not in folders:
+            folders.insert(0, gen_out)
+        have = len({s["id"] for s in iter_samples(gen_out)}) if gen_out.exists() else 0
+        deadline = time.time() + args.gen_minutes * 60 if args.gen_minutes else None
+        gen_batch = args.gen_batch or (256 if on_cuda else 16)
+        gen_stats = generate_into(
+            target, gen_out, source=args.source, limit=have + args.generate, batch_size=gen_batch,
+            shard_size=max(64, 2 * gen_batch), max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, from_end=args.from_end, deadline=deadline,
+            progress=progress)
+        gen_stats["batch"] = gen_batch
+    samples = [s for s in load_samples([f for f in folders if f.exists()]) if len(s.ids) > s.prompt_len + 1]
+    held = [s for s in samples if is_heldout(s.id, args.holdout_percent)]
+    train_samples = [s for s in samples if not is_heldout(s.id, args.holdout_percent)]
+    reply_tokens = sum(len(s.ids) - s.prompt_len for s in samples)
+    report["data"] = {"folders": [str(f) for f in folders], "samples": len(samples),
+                      "reply_tokens": reply_tokens, "tokens": sum(len(s.ids) for s in samples),
+                      "train_samples": len(train_samples), "heldout_samples": len(held),
+                      "shards": sum(len(shard_paths(f)) for f in folders if f.exists()), "generated": gen_stats}
+    print(f"[train] data: {len(samples)} samples ({reply_tokens} reply tokens), {len(held)} held out", flush=True)
+
+    # ----- (b) the drafter: fresh or resumed -----
+    resumed = None
+    if args.resume and state_path.exists():
+        cfg = DFlashConfig.from_dict(json.loads((out / CONFIG_NAME).read_text()))
+        drafter = DFlashDrafter(cfg)
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        drafter.load_state_dict(state["model"])
+        resumed = state
+        for name in ("block_size", "num_layers"):
+            have_v = cfg.block_size if name == "block_size" else cfg.num_hidden_layers
+            if getattr(args, name) != have_v:
+                print(f"[train] --resume: keeping the checkpoint's {name} {have_v} (not {getattr(args, name)})")
+                setattr(args, name, have_v)
+        layer_ids = list(cfg.target_layer_ids)
+    else:
+        layer_ids = ([int(x) for x in args.target_layers.split(",")] if args.target_layers
+                     else default_target_layer_ids(target.num_layers, args.num_layers))
+        tcfg = TrainConfig(features="", out=str(out), num_layers=args.num_layers, block_size=args.block_size,
+                           mask_token_id=args.mask_token_id, init=args.init, fc_init=args.fc_init, seed=args.seed)
+        drafter = build_drafter(tcfg, target, layer_ids)
+    drafter = drafter.to(target.device, torch.float32).train()  # fp32 master weights; autocast for speed
+    held_eval = held[: args.eval_seqs]
+    if features_mode == "cache":
+        t0 = time.time()
+        attach_cached_features(target, train_samples + held_eval, [f for f in folders if f.exists()],
+                               Path(args.feature_cache) if args.feature_cache else out / "features", layer_ids,
+                               progress)
+        report["feature_cache_s"] = round(time.time() - t0, 1)
+    if held_eval and not resumed:
+        report["bigram_acc1"] = round(bigram_accuracy(train_samples, held_eval), 4)  # type: ignore[arg-type]
+
+    decay = [p for p in drafter.parameters() if p.dim() >= 2]
+    no_decay = [p for p in drafter.parameters() if p.dim() < 2]  # norms: no weight decay
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95),
+                            fused=on_cuda)
+    # The schedule's length lives in a list so `--steps 0` can fit it once the step time is known.
+    total = [args.steps if args.steps else 10**9]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args.warmup, total[0], args.min_lr_ratio))
+    step = 0
+    blocks_seen = 0
+    train_seconds = 0.0
+    if resumed:
+        opt.load_state_dict(resumed["optimizer"])
+        sched.load_state_dict(resumed["scheduler"])
+        step, blocks_seen = int(resumed["step"]), int(resumed["blocks_seen"])
+        train_seconds = float(resumed.get("train_seconds", 0.0))
+        if not args.steps:
+            total[0] = int(resumed.get("total_steps", total[0]))
+        report["resumed_from"] = step
+        print(f"[train] resumed at step {step} from {state_path}", flush=True)
+    if args.steps and step >= args.steps:
+        print(f"[train] already at step {step} >= --steps {args.steps}; evaluating only", flush=True)
+    # Data order is re-drawn on resume (seeded by the step), not replayed.
+    stream = Stream(train_samples, args.seed + step)
+    g = torch.Generator().manual_seed(args.seed * 7919 + step)
+    info_base = {"layer_ids": layer_ids, "args": {k: v for k, v in vars(args).items() if k != "func"}}
+
+    # ----- (c) the loop -----
+    log = (out / LOG_NAME).open("a")
+    hits = torch.zeros(args.block_size, dtype=torch.long)
+    counts = torch.zeros(args.block_size, dtype=torch.long)
+    win_hits, win_counts = hits.clone(), counts.clone()
+    run_loss, run_n = 0.0, 0
+    loop_t0 = time.time()
+    deadline = loop_t0 + args.max_minutes * 60 if args.max_minutes else math.inf
+    calib_at, calib_t = None, 0.0
+    stop_reason = "steps"
+    bar = tqdm(total=args.steps or None, initial=step, unit="step", disable=not progress, dynamic_ncols=True,
+               mininterval=1 if sys.stderr.isatty() else 30)
+    while not args.steps or step < args.steps:
+        if time.time() >= deadline:
+            stop_reason = "time"
+            break
+        made = None
+        while made is None:
+            made = make_batch(stream.take(args.batch_seqs), args.anchors_per_seq, args.block_size,
+                              drafter.mask_token_id, args.gamma, g)
+        batch, used = made
+        context = batch_context(target, batch, used, layer_ids)
+        res = batch_forward(drafter, target, batch, context, autocast)
+        loss = res.loss()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip))
+        opt.step()
+        sched.step()
+        step += 1
+        # Real blocks only (dummy padding blocks carry no weight).
+        blocks_seen += int((batch.weights.view(len(used), -1, args.block_size).sum(-1) > 0).sum())
+        h, c = res.position_hits(args.block_size)
+        win_hits += h
+        win_counts += c
+        run_loss += float(loss.detach())
+        run_n += 1
+        acc = win_hits.float() / win_counts.clamp_min(1).float()
+        bar.update(1)
+        bar.set_postfix(loss=f"{run_loss / run_n:.3f}", acc1=f"{acc[1]:.3f}", acc_last=f"{acc[-1]:.3f}",
+                        lr=f"{sched.get_last_lr()[0]:.1e}")
+        if not args.steps and calib_at is None and step >= (int(report.get("resumed_from", 0)) + 3):
+            calib_at, calib_t = step, time.time()  # the first steps pay for warm-up (allocator, kernels)
+        elif not args.steps and calib_at is not None and step == calib_at + 20:
+            per_step = (time.time() - calib_t) / 20
+            total[0] = step + max(1, int((deadline - time.time()) / per_step * 0.97))
+            bar.total = total[0]
+            report["fitted_steps"] = total[0]
+            print(f"\n[train] {per_step * 1e3:.0f} ms/step: fitting the schedule to {total[0]} steps", flush=True)
+        if step % args.log_every == 0 or step == args.steps:
+            rec: dict[str, Any] = {"step": step, "loss": round(run_loss / run_n, 5), "lr": sched.get_last_lr()[0],
+                                   "grad_norm": round(gnorm, 4), "acc": [round(a, 4) for a in acc[1:].tolist()],
+                                   "tau_est": round(expected_accepted(win_hits, win_counts), 4),
+                                   "blocks_seen": blocks_seen, "elapsed_s": round(time.time() - loop_t0, 1)}
+            if held_eval and args.eval_every and step % args.eval_every == 0:
+                rec["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids, autocast)
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            hits, counts = win_hits.clone(), win_counts.clone()  # the last full window, for the report
+            win_hits.zero_()
+            win_counts.zero_()
+            run_loss, run_n = 0.0, 0
+        if args.save_every and step % args.save_every == 0:
+            info = {**info_base, "step": step, "blocks_seen": blocks_seen, "total_steps": total[0],
+                    "train_seconds": train_seconds + time.time() - loop_t0}
+            save_checkpoint(out, drafter, opt, sched, info, torch.bfloat16)
+    bar.close()
+    if win_counts.sum() > 0 and (counts.sum() == 0 or run_n >= args.log_every // 2):
+        hits, counts = win_hits, win_counts
+    loop_s = time.time() - loop_t0
+    train_seconds += loop_s
+    info = {**info_base, "step": step, "blocks_seen": blocks_seen, "total_steps": total[0],
+            "train_seconds": train_seconds}
+    save_checkpoint(out, drafter, opt, sched, info, torch.bfloat16)
+    log.close()
+    steps_this_run = step - int(report.get("resumed_from", 0))
+    report["train"] = {
+        "steps": step, "steps_this_run": steps_this_run, "stop": stop_reason, "blocks_seen": blocks_seen,
+        "loop_seconds": round(loop_s, 1), "train_seconds_total": round(train_seconds, 1),
+        "ms_per_step": round(loop_s / max(steps_this_run, 1) * 1e3, 1), "batch_seqs": args.batch_seqs,
+        "anchors_per_seq": args.anchors_per_seq, "block_size": args.block_size, "num_layers": args.num_layers,
+        "layer_ids": layer_ids, "lr": args.lr, "init": args.init if not resumed else "resumed",
+        "acc": [round(a, 4) for a in (hits.float() / counts.clamp_min(1).float())[1:].tolist()],
+        "tau_est": round(expected_accepted(hits, counts), 4),
+    }
+    print(f"[train] {steps_this_run} steps in {loop_s:.0f}s (stop: {stop_reason}); checkpoint in {out}", flush=True)
+
+    # ----- (d) evaluation -----
+    if held_eval:
+        report["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids, autocast)
+    sets = [s for s in args.eval_prompts.split(",") if s and s != "none"]
+    if sets and args.eval_limit > 0:
+        report["tau"] = speculative_eval(drafter.eval(), target, sets, args.eval_limit, args.eval_max_new_tokens,
+                                         progress)
+    report["hardware"] = hardware(target.device)
+    report["wall_seconds"] = round(time.time() - t_start, 1)
+    report["args"] = info_base["args"]
+    (out / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
+    print(summary_table(report))
+    return 0
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    tr = report.get("train", {})
+    rows = [("data", f"{report['data']['samples']} samples, {report['data']['reply_tokens']} reply tokens"),
+            ("steps", f"{tr.get('steps')} ({tr.get('stop')}), {tr.get('blocks_seen')} blocks, "
+                      f"{tr.get('ms_per_step')} ms/step"),
+            ("train acc 1/2/4/8", " / ".join(f"{a:.3f}" for a in _pick(tr.get("acc", [])))),
+            ("train tau_est", f"{tr.get('tau_est')}")]
+    if "heldout" in report:
+        h = report["heldout"]
+        rows.append(("heldout acc 1/2/4/8", " / ".join(f"{a:.3f}" for a in _pick(h["acc"]))))
+        rows.append(("heldout loss / tau_est", f"{h['loss']} / {h['tau_est']}"))
+    if "bigram_acc1" in report:
+        rows.append(("bigram acc1", f"{report['bigram_acc1']}"))
+    for name, r in (report.get("tau") or {}).items():
+        rows.append((f"tau {name}", f"{r['tau']:.3f} ({r['prompts']} prompts, {r['blocks']} blocks)"))
+    rows.append(("wall", f"{report['wall_seconds']} s on {report['hardware'].get('gpu') or 'cpu'}"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _pick(acc: list[float]) -> list[float]:
+    # Block positions 1, 2, 4, 8 (acc[0] is position 1): enough to see whether position 1 leads.
+    return [acc[i] for i in (0, 1, 3, 7) if i < len(acc)]
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--target", default="embedded", metavar="ID|PATH", help="target LLM (default: embedded SmolLM2)")
+    g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    g.add_argument("--dtype", default="float32",
+                   help="the TARGET's dtype (default float32: features as the fp32 app computes them; the "
+                        "target is tiny, so this costs little even on a GPU, where matmuls use TF32)")
+    g.add_argument("--no-autocast", action="store_true", help="no bf16 autocast for the drafter on CUDA")
+    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    d = p.add_argument_group("data")
+    d.add_argument("--data", default="data/smollm2-sharegpt", metavar="DIR[,DIR...]",
+                   help="data folders (gzip JSONL shards); samples are deduplicated by id")
+    d.add_argument("--generate", type=int, default=0, metavar="N", help="first regenerate N more replies")
+    d.add_argument("--gen-out", default="", metavar="DIR", help="where --generate writes (default: first --data)")
+    d.add_argument("--gen-minutes", type=float, default=0.0, metavar="M", help="time box for --generate (0: none)")
+    d.add_argument("--gen-batch", type=int, default=0, help="generation batch (default: 256 on CUDA, 16 on CPU)")
+    d.add_argument("--source", default="sharegpt", help="prompt source for --generate (see train.data)")
+    d.add_argument("--from-end", action="store_true",
+                   help="take prompts from the end of the shuffled list (no overlap with a run from the start)")
+    d.add_argument("--max-new-tokens", type=int, default=256, help="reply length cap for --generate")
+    d.add_argument("--max-prompt-tokens", type=int, default=384)
+    d.add_argument("--holdout-percent", type=float, default=2.0, help="samples held out by id hash")
+    d.add_argument("--features", choices=["auto", "online", "cache"], default="auto",
+                   help="target features: online (each step) or a disk cache (default: online on CUDA, cache on CPU)")
+    d.add_argument("--feature-cache", default="", metavar="DIR", help="cache folder (default: OUT/features)")
+    t = p.add_argument_group("training")
+    t.add_argument("--out", default="runs/drafter-x", help="checkpoint + report folder")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out (weights, optimizer, step)")
+    t.add_argument("--steps", type=int, default=2000, help="total optimizer steps (0: as many as --max-minutes allow)")
+    t.add_argument("--max-minutes", type=float, default=0.0, help="wall-clock budget of the training loop")
+    t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step (one padded forward)")
+    t.add_argument("--anchors-per-seq", type=int, default=8, help="blocks sampled per sequence")
+    t.add_argument("--lr", type=float, default=6e-4)
+    t.add_argument("--min-lr-ratio", type=float, default=0.1)
+    t.add_argument("--warmup", type=int, default=100)
+    t.add_argument("--weight-decay", type=float, default=0.01)
+    t.add_argument("--clip", type=float, default=1.0)
+    t.add_argument("--gamma", type=float, default=None, help="loss decay over block positions (default: by B)")
+    t.add_argument("--num-layers", type=int, default=2)
+    t.add_argument("--block-size", type=int, default=16)
+    t.add_argument("--target-layers", default="", metavar="I,J", help="target layers for context (default: spread)")
+    t.add_argument("--mask-token-id", type=int, default=0, help="0 = <|endoftext|> for SmolLM2")
+    t.add_argument("--init", default="random", help="random, target-last, or target:i,j")
+    t.add_argument("--fc-init", default="random", choices=["random", "mean"])
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log-every", type=int, default=20)
+    t.add_argument("--eval-every", type=int, default=0, help="held-out eval every N steps (0: at the end only)")
+    t.add_argument("--eval-seqs", type=int, default=64, help="held-out samples used for teacher-forced eval")
+    t.add_argument("--save-every", type=int, default=500)
+    t.add_argument("--no-progress", action="store_true")
+    e = p.add_argument_group("evaluation (real speculative decoding, temperature 0)")
+    e.add_argument("--eval-prompts", default="humaneval,gsm8k", help="prompt sets, comma-separated ('none': skip)")
+    e.add_argument("--eval-limit", type=int, default=8, metavar="K", help="prompts per set")
+    e.add_argument("--eval-max-new-tokens", type=int, default=128)

@@ -1,0 +1,120 @@
+"""`python -m dflash_core train` end to end on the embedded target, tiny: generate, train, eval, resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_core.__main__ import main
+from dflash_core.drafter import DFlashDrafter, check_fit, config_for_target, init_weights, load_drafter
+from dflash_core.train.batch import batch_forward, collate, context_features
+from dflash_core.train.data import iter_samples
+from dflash_core.train.recipe import build_blocks, weighted_block_loss
+from dflash_core.train.run import STATE_NAME
+
+QUESTIONS = ["Say hi in French.", "Name three colours.", "What is the capital of Italy?"]
+TRAIN_FLAGS = ["--batch-seqs", "2", "--anchors-per-seq", "4", "--num-layers", "1", "--block-size", "8",
+               "--lr", "2e-3", "--warmup", "2", "--log-every", "4", "--holdout-percent", "0", "--threads", "2",
+               "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target) -> Path:
+    """One CLI run: generate 3 replies, 16 steps of 2 padded sequences, eval 1 prompt per set."""
+    root = tmp_path_factory.mktemp("train_cli")
+    src = root / "prompts.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q}) + "\n" for i, q in enumerate(QUESTIONS)))
+    rc = main(["train", "--data", str(root / "data"), "--generate", "3", "--source", str(src),
+               "--max-new-tokens", "14", "--out", str(root / "run"), "--steps", "16", *TRAIN_FLAGS,
+               "--eval-prompts", "humaneval,gsm8k", "--eval-limit", "1", "--eval-max-new-tokens", "6"])
+    assert rc == 0
+    return root
+
+
+def test_train_generates_trains_and_reports(trained: Path, target) -> None:
+    samples = list(iter_samples(trained / "data"))
+    assert sorted(s["id"] for s in samples) == ["q0", "q1", "q2"]
+    assert all(1 <= len(s["response_ids"]) <= 14 for s in samples)
+    run = trained / "run"
+    report = json.loads((run / "train_report.json").read_text())
+    assert report["data"]["samples"] == 3 and report["data"]["generated"]["made"] == 3
+    assert report["data"]["reply_tokens"] == sum(len(s["response_ids"]) for s in samples)
+    assert report["train"]["steps"] == 16 and report["train"]["stop"] == "steps"
+    assert report["train"]["blocks_seen"] > 16  # several blocks per step: the batch holds 2 sequences
+    assert len(report["train"]["acc"]) == 7 and all(0 <= a <= 1 for a in report["train"]["acc"])
+    assert set(report["tau"]) == {"humaneval", "gsm8k"}
+    for r in report["tau"].values():
+        assert r["prompts"] == 1 and r["blocks"] >= 1 and 1.0 <= r["tau"] <= 8.0
+    assert report["hardware"]["device"] == "cpu" and report["features"] == "cache"
+    log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [4, 8, 12, 16]
+    assert log[-1]["loss"] < 0.7 * log[0]["loss"]  # it learns its (tiny) training set
+    drafter = load_drafter(run)
+    assert drafter.config.block_size == 8 and drafter.config.num_hidden_layers == 1
+    check_fit(drafter.config, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+              num_layers=target.num_layers)
+    assert drafter.fc.weight.dtype == torch.float32  # loaded as asked, saved as bf16
+    state = torch.load(run / STATE_NAME, map_location="cpu", weights_only=False)
+    assert state["step"] == 16
+    for k, v in state["model"].items():  # the z-lab file is the bf16 copy of the fp32 state
+        torch.testing.assert_close(drafter.state_dict()[k], v.to(torch.bfloat16).float())
+
+
+def test_resume_continues_step_and_optimizer(trained: Path) -> None:
+    run = trained / "run"
+    before = torch.load(run / STATE_NAME, map_location="cpu", weights_only=False)
+    adam_steps = {int(s["step"]) for s in before["optimizer"]["state"].values()}
+    assert adam_steps == {16}
+    # Without --resume a used --out is refused (exit 2), not overwritten.
+    assert main(["train", "--data", str(trained / "data"), "--out", str(run), "--steps", "20", *TRAIN_FLAGS,
+                 "--eval-prompts", "none"]) == 2
+    assert main(["train", "--data", str(trained / "data"), "--out", str(run), "--steps", "20", "--resume",
+                 *TRAIN_FLAGS, "--eval-prompts", "none"]) == 0
+    after = torch.load(run / STATE_NAME, map_location="cpu", weights_only=False)
+    assert after["step"] == 20
+    # Adam's per-parameter step counts continued from 16 (a fresh optimizer would say 4).
+    assert {int(s["step"]) for s in after["optimizer"]["state"].values()} == {20}
+    assert after["scheduler"]["last_epoch"] == 20
+    report = json.loads((run / "train_report.json").read_text())
+    assert report["resumed_from"] == 16 and report["train"]["steps_this_run"] == 4
+    log = [json.loads(x)["step"] for x in (run / "log.jsonl").read_text().splitlines()]
+    assert log[-1] == 20 and log.count(16) == 1
+
+
+def test_max_minutes_stops_early(trained: Path) -> None:
+    out = trained / "timed"
+    assert main(["train", "--data", str(trained / "data"), "--out", str(out), "--steps", "100000",
+                 "--max-minutes", "0.02", *TRAIN_FLAGS, "--eval-prompts", "none"]) == 0
+    report = json.loads((out / "train_report.json").read_text())
+    assert report["train"]["stop"] == "time" and 1 <= report["train"]["steps"] < 100000
+    assert (out / "model.safetensors").is_file()
+    assert load_drafter(out).config.block_size == 8
+
+
+def test_padded_batch_equals_one_sequence_forwards(target) -> None:
+    """Right padding, dummy blocks and per-row positions change nothing: each row's loss in one
+    padded forward equals that sequence's loss alone (the old one-sequence path)."""
+    cfg = config_for_target(target.config, num_layers=1, block_size=8, mask_token_id=0)
+    cfg.target_layer_ids = [2, 20]
+    drafter = init_weights(DFlashDrafter(cfg), seed=3)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(100, 5000, (n,), generator=g) for n in (30, 47, 19)]
+    anchors = [[5, 12, 20], [3, 9, 30, 40, 44], [10]]  # different counts: the rows get dummy blocks
+    batch = collate(list(zip(seqs, anchors, strict=True)), 8, 0)
+    assert batch.ids.shape == (3, 44) and batch.mask.shape == (3, 1, 40, 44 + 40)
+    feats = context_features(target, batch.ids, cfg.target_layer_ids)
+    out = batch_forward(drafter, target, batch, feats)
+    num, den = out.row_loss(3)
+    for r, (seq, a) in enumerate(zip(seqs, anchors, strict=True)):
+        bb = build_blocks(seq, a, 8, 0)
+        ctx = context_features(target, seq[None, : bb.context_len], cfg.target_layer_ids)
+        with torch.no_grad():
+            hidden = drafter.forward_train(ctx, target.embed(bb.input_ids[None]), bb.positions, bb.mask)
+            ref = weighted_block_loss(target.lm_head(hidden)[0], bb.labels, bb.weights)
+        torch.testing.assert_close(num[r] / den[r], ref, rtol=1e-4, atol=1e-4)
+        assert float(den[r]) == pytest.approx(float(bb.weights.sum()))
+    whole = float(out.loss().detach())
+    assert whole == pytest.approx(float(num.sum() / den.sum()), rel=1e-5)
