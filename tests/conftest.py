@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -41,3 +44,33 @@ def finish(events) -> Finished:
         last = ev
     assert isinstance(last, Finished)
     return last
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def serve_app(engine: Engine) -> Iterator[str]:
+    """The real Gradio app on a free local port, in a background thread; yields its URL."""
+    from app.ui import build_app, launch_kwargs
+
+    demo = build_app(engine)
+    port = free_port()
+    # prevent_thread_lock: the server runs in a background thread and launch() returns.
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                **launch_kwargs())
+    try:
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        demo.close()
+
+
+@pytest.fixture(scope="session")
+def app_engine() -> Engine:
+    """What launch.py serves: the embedded target with the shipped (or fallback) drafter."""
+    import dflash_core
+
+    return dflash_core.load(device="cpu")

@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from conftest import serve_app
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls from a test
 
 import dflash_core
-from app.ui import build_app, launch_kwargs
 from dflash_core.engine import Engine
 from dflash_core.events import Finished
 
@@ -31,28 +30,15 @@ BLOCK = 4  # small blocks keep each verify forward cheap on CPU
 MAX_NEW = 10
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def engine() -> Engine:
-    return dflash_core.load(device="cpu")
+def engine(app_engine: Engine) -> Engine:
+    return app_engine
 
 
 @pytest.fixture(scope="module")
 def url(engine: Engine) -> Iterator[str]:
-    demo = build_app(engine)
-    port = free_port()
-    # prevent_thread_lock: the server runs in a background thread and launch() returns.
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                **launch_kwargs())
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+    with serve_app(engine) as url:
+        yield url
 
 
 @pytest.fixture()

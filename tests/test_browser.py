@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import serve_app
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # no network calls from a test
 
@@ -37,26 +37,10 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not 
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    import dflash_core
-    from app.ui import build_app, launch_kwargs
-
-    engine = dflash_core.load(device="cpu")  # what launch.py serves: embedded target + fallback drafter
-    demo = build_app(engine)
-    port = free_port()
-    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                **launch_kwargs())
-    try:
-        yield f"http://127.0.0.1:{port}/"
-    finally:
-        demo.close()
+def url(app_engine: Any) -> Iterator[str]:
+    with serve_app(app_engine) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
