@@ -180,11 +180,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise DFlashError(f"warmup must be >= 0, got {args.warmup}")
     config = generation_config(args)
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    unknown = [n for n in names if n not in bench.METHOD_NAMES]
+    if unknown:
+        raise DFlashError(f"unknown bench method(s) {unknown}; choose from {', '.join(bench.METHOD_NAMES)}")
+    if "dflash" not in names:
+        raise DFlashError("--methods must include dflash (the method this report is about)")
     prompts = load_prompt_set(args.prompts, args.limit)
     bench.check_writable(args.out)
     engine = load_engine(args)
     assert engine.drafter is not None
-    methods = bench.default_methods(engine)
+    methods = bench.make_methods(engine, names)
     results = bench.run_methods(prompts, methods, config, warmup=args.warmup, progress=not args.no_progress)
     summary, per_prompt = bench.summarize(prompts, results, methods, primary="dflash")
     summary.update({
@@ -222,6 +228,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts")
     p.add_argument("--out", required=True, metavar="R.json", help="where to write the JSON report")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds per method (default 1)")
+    p.add_argument("--methods", default="plain,dflash", metavar="A,B,...",
+                   help="comma list from plain, dflash, hf-generate (transformers generate), prompt-lookup "
+                        "(transformers prompt-lookup decoding); the first is the baseline (default plain,dflash)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 

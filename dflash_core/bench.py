@@ -82,8 +82,63 @@ def engine_method(engine: Engine, name: str, *, plain: bool, **overrides: Any) -
     return Method(name=name, run=run)
 
 
+def hf_generate_method(engine: Engine, name: str, *, prompt_lookup: int = 0) -> Method:
+    """transformers' own `generate` on the same target: plain, or prompt-lookup decoding
+    (`prompt_lookup_num_tokens`), the peers DFlash has to beat. Stop strings are not applied."""
+    import time
+
+    target = engine.target
+
+    def run(turns: Turns, config: GenerationConfig) -> RunResult:
+        messages: list[dict[str, str]] = []
+        ids: list[int] = []
+        replies: list[str] = []
+        seconds = 0.0
+        eos = sorted(target.eos_ids)
+        sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        if not config.greedy:
+            sampling = {"do_sample": True, "temperature": config.temperature, "top_p": config.top_p,
+                        "top_k": config.top_k or None}
+            torch.manual_seed(config.seed)
+        for turn in turns:
+            messages.append({"role": "user", "content": turn})
+            prompt = torch.tensor([engine.prompt_ids(messages)], device=target.device)
+            extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt),
+                                            max_new_tokens=config.max_new_tokens, eos_token_id=eos,
+                                            pad_token_id=eos[0] if eos else None, **sampling, **extra)
+            seconds += time.perf_counter() - t0
+            new = out[0, prompt.shape[1]:].tolist()
+            ids.extend(new)
+            reply = target.decode(new)
+            replies.append(reply)
+            messages.append({"role": "assistant", "content": reply})
+        return RunResult(ids=ids, seconds=seconds, replies=replies)
+
+    return Method(name=name, run=run)
+
+
+METHOD_NAMES = ("plain", "dflash", "hf-generate", "prompt-lookup")
+
+
+def make_methods(engine: Engine, names: Sequence[str] = ("plain", "dflash")) -> list[Method]:
+    """Methods by name; the first is the baseline that speed-ups and exactness are measured against."""
+    unknown = [n for n in names if n not in METHOD_NAMES]
+    if unknown or not names:
+        raise DFlashError(f"unknown bench method(s) {unknown}; choose from {', '.join(METHOD_NAMES)}")
+    build = {
+        "plain": lambda: engine_method(engine, "plain", plain=True),
+        "dflash": lambda: engine_method(engine, "dflash", plain=False),
+        "hf-generate": lambda: hf_generate_method(engine, "hf-generate"),
+        "prompt-lookup": lambda: hf_generate_method(engine, "prompt-lookup", prompt_lookup=10),
+    }
+    return [build[n]() for n in names]
+
+
 def default_methods(engine: Engine) -> list[Method]:
-    return [engine_method(engine, "plain", plain=True), engine_method(engine, "dflash", plain=False)]
+    return make_methods(engine, ("plain", "dflash"))
 
 
 def run_methods(prompts: Sequence[Turns], methods: Sequence[Method], config: GenerationConfig, *,

@@ -170,6 +170,32 @@ def test_bench_tiny_set(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     assert "mismatches 0" in out and "speedup" in out and "dflash" in out
 
 
+def test_bench_peer_methods_agree_with_plain_greedy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """transformers' generate and prompt-lookup decoding are exact at T=0 too: same ids as our plain loop."""
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Repeat after me: red, green, blue, red, green."}])
+    out_json = tmp_path / "r.json"
+    rc, out, err = run(capsys, "bench", "--prompts", str(prompts), "--max-new-tokens", "10", "--warmup", "0",
+                       "--methods", "plain,dflash,hf-generate,prompt-lookup", "--out", str(out_json), *FAST)
+    assert rc == 0, err
+    report = json.loads(out_json.read_text())
+    s, row = report["summary"], report["per_prompt"][0]
+    assert s["methods"] == ["plain", "dflash", "hf-generate", "prompt-lookup"] and s["mismatches"] == 0
+    assert row["plain_ids"] == row["hf-generate_ids"] == row["prompt-lookup_ids"] == row["dflash_ids"]
+    assert len(row["plain_ids"]) > 0
+    for name in ("hf-generate", "prompt-lookup"):
+        assert s[f"{name}_speedup"] > 0 and name in out
+
+
+def test_bench_unknown_method_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    rc, _, err = run(capsys, "bench", "--prompts", str(prompts), "--methods", "plain,dflash,magic",
+                     "--out", str(tmp_path / "r.json"), *FAST)
+    assert rc == 2 and "magic" in err and err.count("\n") == 1
+    rc, _, err = run(capsys, "bench", "--prompts", str(prompts), "--methods", "plain,hf-generate",
+                     "--out", str(tmp_path / "r.json"), *FAST)
+    assert rc == 2 and "must include dflash" in err
+
+
 def test_bench_bad_jsonl_line_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     prompts = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, "{not json"])
     rc, _, err = run(capsys, "bench", "--prompts", str(prompts), "--out", str(tmp_path / "r.json"))
