@@ -209,3 +209,16 @@ def test_position_accuracy_counts() -> None:
     hits, counts = position_accuracy(logits, labels, 4)
     assert counts.tolist() == [0, 2, 2, 1]
     assert hits.tolist() == [0, 2, 0, 1]
+
+
+def test_context_window_curriculum_keeps_only_recent_context() -> None:
+    """With a window w, the block at anchor a sees context keys [a - w, a) and still its own block."""
+    anchors, b, t, w = [3, 9, 20], 4, 20, 5
+    m = block_attention_mask(anchors, b, t, window=w)
+    full = block_attention_mask(anchors, b, t)
+    for j, a in enumerate(anchors):
+        rows = slice(j * b, (j + 1) * b)
+        seen = m[rows, :t].all(0).nonzero().flatten().tolist()
+        assert seen == list(range(max(0, a - w), a))
+        assert torch.equal(m[rows, t:], full[rows, t:])  # block part untouched
+    assert (m <= full).all()  # a window only ever removes keys

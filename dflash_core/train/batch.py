@@ -48,7 +48,7 @@ class PaddedBatch:
 
 
 def collate(rows: list[tuple[torch.Tensor, list[int]]], block_size: int, mask_token_id: int,
-            gamma: float | None = None) -> PaddedBatch:
+            gamma: float | None = None, window: int | None = None) -> PaddedBatch:
     """`rows`: (ids [L], sorted anchors) per sequence, each with at least one anchor."""
     if not rows or any(not a for _, a in rows):
         raise ValueError("every row needs at least one anchor")
@@ -64,7 +64,8 @@ def collate(rows: list[tuple[torch.Tensor, list[int]]], block_size: int, mask_to
         ids[r, :n] = seq[:n]
         lengths.append(n)
         # Dummy anchors at 0: they see no context key (p < 0) and only their own block.
-        bb = build_blocks(seq, [*anchors, *[0] * (n_max - len(anchors))], b, mask_token_id, gamma, context_len=t)
+        bb = build_blocks(seq, [*anchors, *[0] * (n_max - len(anchors))], b, mask_token_id, gamma, context_len=t,
+                          window=window)
         real = len(anchors) * b
         bb.labels[real:] = IGNORE
         bb.weights[real:] = 0.0

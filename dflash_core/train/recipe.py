@@ -77,25 +77,32 @@ class BlockBatch:
     context_len: int  # features of positions [0, T) are the context keys
 
 
-def block_attention_mask(anchors: list[int], block_size: int, context_len: int) -> torch.Tensor:
+def block_attention_mask(anchors: list[int], block_size: int, context_len: int,
+                         window: int | None = None) -> torch.Tensor:
     """bool [N*B, T + N*B]: True where a block query may attend.
 
     Keys are the T context positions, then the N blocks end to end. Block j sees context keys
     p < anchors[j] (never its own anchor's features: at inference they do not exist yet) and
-    its own B keys in both directions; never another block.
+    its own B keys in both directions; never another block. `window` (a training curriculum,
+    not what inference sees) keeps only the last `window` context keys before each anchor, so
+    the anchor is not one key among hundreds while the drafter learns to use it.
     """
     n, b = len(anchors), block_size
     if any(a > context_len for a in anchors):
         raise ValueError(f"context of {context_len} positions is too short for anchors up to {max(anchors)}")
     a = torch.tensor(anchors, dtype=torch.long).repeat_interleave(b)  # [N*B] anchor of each query
-    ctx = torch.arange(context_len)[None, :] < a[:, None]
+    p = torch.arange(context_len)[None, :]
+    ctx = p < a[:, None]
+    if window is not None:
+        ctx &= p >= a[:, None] - window
     blk = torch.arange(n).repeat_interleave(b)
     own = blk[:, None] == blk[None, :]
     return torch.cat([ctx, own], dim=1)
 
 
 def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: int, mask_token_id: int,
-                 gamma: float | None = None, context_len: int | None = None) -> BlockBatch:
+                 gamma: float | None = None, context_len: int | None = None,
+                 window: int | None = None) -> BlockBatch:
     """Blocks for one sequence `ids` [L] at the given anchors.
 
     `context_len` defaults to the last anchor: features at or after it are never attended.
@@ -113,7 +120,7 @@ def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: 
     inp[:, 0] = ids[pos[:, 0]]
     w = position_weights(b, gamma)[None, :].expand_as(pos) * (labels != IGNORE)
     t = max(anchors) if context_len is None else context_len
-    mask = block_attention_mask(anchors, b, t)[None, None]
+    mask = block_attention_mask(anchors, b, t, window)[None, None]
     return BlockBatch(anchors=list(anchors), block_size=b, input_ids=inp.reshape(-1), positions=pos.reshape(-1),
                       labels=labels.reshape(-1), weights=w.reshape(-1).contiguous(), mask=mask, context_len=t)
 

@@ -110,8 +110,18 @@ class Stream:
         return out
 
 
+def context_window(args: argparse.Namespace, step: int) -> int | None:
+    """The curriculum's context window at `step`: `--context-window` keys before each anchor,
+    doubling every `--window-steps` steps until it stops mattering; None = the full context."""
+    if not args.context_window:
+        return None
+    window = args.context_window * 2 ** (step // max(args.window_steps, 1))
+    return None if window >= 4096 else window
+
+
 def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mask_token_id: int,
-               gamma: float | None, g: torch.Generator) -> tuple[PaddedBatch, list[Sample]] | None:
+               gamma: float | None, g: torch.Generator,
+               window: int | None = None) -> tuple[PaddedBatch, list[Sample]] | None:
     rows, used = [], []
     for s in samples:
         anchors = sample_anchors(s.prompt_len, len(s.ids), anchors_per_seq, g)
@@ -120,7 +130,7 @@ def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mas
             used.append(s)
     if not rows:
         return None
-    return collate(rows, block_size, mask_token_id, gamma), used
+    return collate(rows, block_size, mask_token_id, gamma, window), used
 
 
 def batch_context(target: Any, batch: PaddedBatch, used: list[Sample], layer_ids: list[int]) -> torch.Tensor:
@@ -355,7 +365,7 @@ def run_train(args: argparse.Namespace) -> int:
         made = None
         while made is None:
             made = make_batch(stream.take(args.batch_seqs), args.anchors_per_seq, args.block_size,
-                              drafter.mask_token_id, args.gamma, g)
+                              drafter.mask_token_id, args.gamma, g, context_window(args, step))
         batch, used = made
         context = batch_context(target, batch, used, layer_ids)
         res = batch_forward(drafter, target, batch, context, autocast)
@@ -495,6 +505,10 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--max-minutes", type=float, default=0.0, help="wall-clock budget of the training loop")
     t.add_argument("--batch-seqs", type=int, default=8, help="sequences per step (one padded forward)")
     t.add_argument("--anchors-per-seq", type=int, default=8, help="blocks sampled per sequence")
+    t.add_argument("--context-window", type=int, default=0, metavar="K",
+                   help="curriculum: blocks see only the last K context positions at first (0: off)")
+    t.add_argument("--window-steps", type=int, default=200, metavar="S",
+                   help="the window doubles every S steps until it covers the whole context")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--min-lr-ratio", type=float, default=0.1)
     t.add_argument("--warmup", type=int, default=100)
