@@ -10,7 +10,7 @@ import torch
 
 from dflash_core.__main__ import main
 from dflash_core.drafter import DFlashDrafter, check_fit, config_for_target, init_weights, load_drafter
-from dflash_core.train.batch import batch_forward, collate, context_features
+from dflash_core.train.batch import HeadSubset, batch_forward, collate, context_features
 from dflash_core.train.data import iter_samples
 from dflash_core.train.recipe import build_blocks, weighted_block_loss
 from dflash_core.train.run import STATE_NAME
@@ -28,7 +28,8 @@ def trained(tmp_path_factory, target) -> Path:
     src = root / "prompts.jsonl"
     src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q}) + "\n" for i, q in enumerate(QUESTIONS)))
     rc = main(["train", "--data", str(root / "data"), "--generate", "3", "--source", str(src),
-               "--max-new-tokens", "14", "--out", str(root / "run"), "--steps", "16", *TRAIN_FLAGS,
+               "--max-new-tokens", "14", "--out", str(root / "run"), "--steps", "16",
+               "--init", "target:29", *TRAIN_FLAGS,
                "--eval-prompts", "humaneval,gsm8k", "--eval-limit", "1", "--eval-max-new-tokens", "6"])
     assert rc == 0
     return root
@@ -43,12 +44,16 @@ def test_train_generates_trains_and_reports(trained: Path, target) -> None:
     assert report["data"]["samples"] == 3 and report["data"]["generated"]["made"] == 3
     assert report["data"]["reply_tokens"] == sum(len(s["response_ids"]) for s in samples)
     assert report["train"]["steps"] == 16 and report["train"]["stop"] == "steps"
+    assert report["train"]["init"] == "target:29"
     assert report["train"]["blocks_seen"] > 16  # several blocks per step: the batch holds 2 sequences
     assert len(report["train"]["acc"]) == 7 and all(0 <= a <= 1 for a in report["train"]["acc"])
     assert set(report["tau"]) == {"humaneval", "gsm8k"}
     for r in report["tau"].values():
         assert r["prompts"] == 1 and r["blocks"] >= 1 and 1.0 <= r["tau"] <= 8.0
     assert report["hardware"]["device"] == "cpu" and report["features"] == "cache"
+    # On CPU the training head defaults to the frequent reply tokens: here all of them (3 tiny replies).
+    assert report["train_vocab"]["coverage"] == 1.0
+    assert report["train_vocab"]["size"] == len({t for s in samples for t in s["response_ids"]})
     log = [json.loads(x) for x in (run / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [4, 8, 12, 16]
     assert log[-1]["loss"] < 0.7 * log[0]["loss"]  # it learns its (tiny) training set
@@ -118,3 +123,27 @@ def test_padded_batch_equals_one_sequence_forwards(target) -> None:
         assert float(den[r]) == pytest.approx(float(bb.weights.sum()))
     whole = float(out.loss().detach())
     assert whole == pytest.approx(float(num.sum() / den.sum()), rel=1e-5)
+
+
+def test_head_subset_is_the_full_head_restricted(target) -> None:
+    """The training-only head gives the full head's logits at the kept tokens, relabels targets
+    into the subset, and drops (never mislabels) positions whose token is outside it."""
+    cfg = config_for_target(target.config, num_layers=1, block_size=8, mask_token_id=0)
+    cfg.target_layer_ids = [2, 20]
+    drafter = init_weights(DFlashDrafter(cfg), seed=5)
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(100, 400, (n,), generator=g) for n in (40, 33)]
+    batch = collate(list(zip(seqs, [[4, 11, 25], [6, 20]], strict=True)), 8, 0)
+    counts = torch.zeros(target.vocab_size)
+    counts.index_add_(0, torch.cat(seqs), torch.ones(73))
+    head = HeadSubset(counts, 30)  # fewer than the ~60 distinct tokens: some labels fall outside
+    assert head.keep.shape[0] == 30 and 0 < head.coverage < 1
+    assert counts[head.keep].min() >= counts[counts > 0].sort(descending=True).values[29]
+    feats = context_features(target, batch.ids, cfg.target_layer_ids)
+    full = batch_forward(drafter, target, batch, feats)
+    sub = batch_forward(drafter, target, batch, feats, head=head)
+    inside = head.index[full.labels] >= 0
+    assert 0 < int(inside.sum()) < full.labels.shape[0]
+    torch.testing.assert_close(sub.logits, full.logits[inside][:, head.keep], rtol=1e-5, atol=1e-5)
+    assert torch.equal(head.keep[sub.labels], full.labels[inside])
+    assert torch.equal(sub.slots, full.slots[inside]) and torch.equal(sub.weights, full.weights[inside])

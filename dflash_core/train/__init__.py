@@ -1,2 +1,3 @@
-"""Drafter training: prompts and target regeneration (data), anchors/mask/loss (recipe),
-target feature cache (features) and the optimisation loop (loop)."""
+"""Drafter training: prompts and target regeneration (data), anchors/mask/loss/schedule (recipe),
+the target feature cache (features), padded multi-sequence batches (batch), a fresh drafter
+(drafter_init) and the `train` command that ties them together (run)."""

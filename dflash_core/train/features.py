@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,18 +132,6 @@ def load_feature_file(path: str | os.PathLike[str]) -> list[Sequence]:
 
 def feature_files(folder: str | os.PathLike[str]) -> list[Path]:
     return sorted(Path(folder).glob("feats-*.safetensors"))
-
-
-def iter_sequences(files: list[Path], generator: torch.Generator | None = None) -> Iterator[Sequence]:
-    """Endless stream: files in a random order, sequences shuffled within each file (so only
-    one file is in memory at a time)."""
-    if not files:
-        raise ValueError("no feature files")
-    while True:
-        for fi in torch.randperm(len(files), generator=generator).tolist():
-            seqs = load_feature_file(files[fi])
-            for si in torch.randperm(len(seqs), generator=generator).tolist():
-                yield seqs[si]
 
 
 def main() -> None:

@@ -14,7 +14,11 @@ end after the context keys; `block_attention_mask` keeps them apart.
 from __future__ import annotations
 
 import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -156,3 +160,32 @@ def expected_accepted(hits: torch.Tensor, counts: torch.Tensor) -> float:
         run *= p
         tau += run
     return tau if math.isfinite(tau) else 1.0
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine down to `min_ratio` at `total`."""
+    if step < warmup:
+        return (step + 1) / max(1, warmup)
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+class _Seq(Protocol):
+    ids: torch.Tensor
+    prompt_len: int
+
+
+def bigram_accuracy(train_seqs: Iterable[_Seq], eval_seqs: Iterable[_Seq]) -> float:
+    """Block-position-1 accuracy of "the most frequent successor of the anchor token" learnt from
+    the training replies: the floor a drafter that uses its anchor must clearly beat."""
+    succ: dict[int, Counter[int]] = defaultdict(Counter)
+    for seq in train_seqs:
+        for a, b in pairwise(seq.ids[seq.prompt_len:].tolist()):
+            succ[a][b] += 1
+    best = {a: c.most_common(1)[0][0] for a, c in succ.items()}
+    hits = total = 0
+    for seq in eval_seqs:
+        for a, b in pairwise(seq.ids[seq.prompt_len:].tolist()):
+            hits += best.get(a) == b
+            total += 1
+    return hits / max(total, 1)

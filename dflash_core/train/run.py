@@ -33,11 +33,11 @@ import torch
 
 from ..drafter import CONFIG_NAME, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from ..errors import DFlashError
-from .batch import PaddedBatch, batch_forward, cached_features, collate, context_features
+from .batch import HeadSubset, PaddedBatch, batch_forward, cached_features, collate, context_features
 from .data import generate_into, iter_samples, shard_paths
+from .drafter_init import build_drafter
 from .features import build_features, load_feature_file
-from .loop import TrainConfig, bigram_accuracy, build_drafter, lr_factor
-from .recipe import expected_accepted, sample_anchors
+from .recipe import bigram_accuracy, expected_accepted, lr_factor, sample_anchors
 
 STATE_NAME = "train_state.pt"
 REPORT_NAME = "train_report.json"
@@ -305,9 +305,9 @@ def run_train(args: argparse.Namespace) -> int:
     else:
         layer_ids = ([int(x) for x in args.target_layers.split(",")] if args.target_layers
                      else default_target_layer_ids(target.num_layers, args.num_layers))
-        tcfg = TrainConfig(features="", out=str(out), num_layers=args.num_layers, block_size=args.block_size,
-                           mask_token_id=args.mask_token_id, init=args.init, fc_init=args.fc_init, seed=args.seed)
-        drafter = build_drafter(tcfg, target, layer_ids)
+        drafter = build_drafter(target, layer_ids, num_layers=args.num_layers, block_size=args.block_size,
+                                mask_token_id=args.mask_token_id, init=args.init, fc_init=args.fc_init,
+                                seed=args.seed)
     drafter = drafter.to(target.device, torch.float32).train()  # fp32 master weights; autocast for speed
     held_eval = held[: args.eval_seqs]
     if features_mode == "cache":
@@ -316,8 +316,18 @@ def run_train(args: argparse.Namespace) -> int:
                                Path(args.feature_cache) if args.feature_cache else out / "features", layer_ids,
                                progress)
         report["feature_cache_s"] = round(time.time() - t0, 1)
+    head = None
+    train_vocab = args.train_vocab if args.train_vocab >= 0 else (0 if on_cuda else 8192)
+    if train_vocab:
+        counts_v = torch.zeros(target.vocab_size)
+        for s in train_samples:
+            counts_v.index_add_(0, s.ids[s.prompt_len:], torch.ones(len(s.ids) - s.prompt_len))
+        head = HeadSubset(counts_v, train_vocab)
+        report["train_vocab"] = {"size": int(head.keep.shape[0]), "coverage": round(head.coverage, 5)}
+        print(f"[train] training head: {head.keep.shape[0]} most frequent tokens "
+              f"({head.coverage:.2%} of reply tokens)", flush=True)
     if held_eval and not resumed:
-        report["bigram_acc1"] = round(bigram_accuracy(train_samples, held_eval), 4)  # type: ignore[arg-type]
+        report["bigram_acc1"] = round(bigram_accuracy(train_samples, held_eval), 4)
 
     decay = [p for p in drafter.parameters() if p.dim() >= 2]
     no_decay = [p for p in drafter.parameters() if p.dim() < 2]  # norms: no weight decay
@@ -368,7 +378,7 @@ def run_train(args: argparse.Namespace) -> int:
                               drafter.mask_token_id, args.gamma, g, context_window(args, step))
         batch, used = made
         context = batch_context(target, batch, used, layer_ids)
-        res = batch_forward(drafter, target, batch, context, autocast)
+        res = batch_forward(drafter, target, batch, context, autocast, head)
         loss = res.loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -509,6 +519,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="curriculum: blocks see only the last K context positions at first (0: off)")
     t.add_argument("--window-steps", type=int, default=200, metavar="S",
                    help="the window doubles every S steps until it covers the whole context")
+    t.add_argument("--train-vocab", type=int, default=-1, metavar="K",
+                   help="train against the K most frequent reply tokens only (a cheaper LM head; evaluation "
+                        "and the checkpoint use the full vocabulary). -1: 8192 on CPU, full on CUDA; 0: full")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--min-lr-ratio", type=float, default=0.1)
     t.add_argument("--warmup", type=int, default=100)

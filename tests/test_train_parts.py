@@ -1,17 +1,16 @@
-"""Feature cache and training loop, end to end on a tiny data folder made with the real target."""
+"""The training parts on the real target: feature cache, schedule, bigram floor, drafter init."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from dflash_core.drafter import check_fit, load_drafter
 from dflash_core.train.data import encode_shard, write_atomic
+from dflash_core.train.drafter_init import build_drafter, init_from_target
 from dflash_core.train.features import Sequence, build_features, feature_files, load_feature_file
-from dflash_core.train.loop import TrainConfig, bigram_accuracy, init_from_target, lr_factor, train
+from dflash_core.train.recipe import bigram_accuracy, lr_factor
 
 LAYERS = [2, 20]
 
@@ -65,25 +64,20 @@ def test_lr_schedule() -> None:
     assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
 
 
-def test_train_end_to_end(feature_dir, target) -> None:
-    root, _ = feature_dir
-    cfg = TrainConfig(features=str(root / "feats"), out=str(root / "run"), num_layers=1, block_size=8,
-                      init="target:29", lr=1e-3, warmup=2, steps=40, seqs_per_step=1, anchors_per_seq=4,
-                      log_every=10, eval_every=20, save_every=20, eval_seqs=3)
-    drafter = train(cfg, target, progress=False)
-    log = [json.loads(x) for x in (root / "run" / "log.jsonl").read_text().splitlines()]
-    head, log = log[0], log[1:]
-    assert head["step"] == 0 and 0 <= head["bigram_acc1"] <= 1 and head["eval_seqs"] == 3
-    assert [r["step"] for r in log] == [10, 20, 30, 40]
-    assert log[-1]["loss"] < 0.6 * log[0]["loss"]  # it learns the training sequences
-    assert "eval" in log[1] and len(log[1]["eval"]["acc"]) == 7
-    assert (root / "run" / "step-000020" / "model.safetensors").is_file()
-    loaded = load_drafter(root / "run" / "final")
-    assert loaded.config.target_layer_ids == LAYERS and loaded.config.block_size == 8
-    check_fit(loaded.config, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-              num_layers=target.num_layers)
-    for k, v in drafter.state_dict().items():
-        torch.testing.assert_close(loaded.state_dict()[k], v.to(torch.bfloat16).float())
+def test_build_drafter_inits(target) -> None:
+    d = build_drafter(target, LAYERS, num_layers=1, block_size=8, init="target:29", fc_init="mean")
+    assert d.config.target_layer_ids == LAYERS and d.config.block_size == 8
+    assert torch.equal(d.layers[0].mlp.up_proj.weight, target.model.model.layers[29].mlp.up_proj.weight)
+    h = target.hidden_size
+    # fc "mean": the projection of [f1 ; f2] is (f1 + f2) / 2.
+    f = torch.randn(3, 2 * h)
+    torch.testing.assert_close(d.fc(f), (f[:, :h] + f[:, h:]) / 2)
+    r = build_drafter(target, LAYERS, num_layers=1, seed=1)
+    assert not torch.equal(r.layers[0].mlp.up_proj.weight, d.layers[0].mlp.up_proj.weight)
+    with pytest.raises(ValueError, match="unknown init"):
+        build_drafter(target, LAYERS, init="target-first")
+    with pytest.raises(ValueError, match="unknown fc init"):
+        build_drafter(target, LAYERS, fc_init="zeros")
 
 
 def test_bigram_accuracy() -> None:
