@@ -7,6 +7,7 @@ Each subcommand is an `add_<name>(subparsers)` function that registers its parse
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from typing import TextIO
@@ -171,8 +172,16 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 
 # ----- bench -----
 
+def bench_command(args: argparse.Namespace) -> str:
+    """The command as typed, for the README table's "regenerate with" line."""
+    argv = getattr(args, "argv", None) or sys.argv[1:]
+    return "python -m dflash_core " + shlex.join(argv)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    import importlib.util
+
+    from . import bench, bench_stats
     from .prompt_sets import load_prompt_set
 
     if args.draft == "none":
@@ -180,25 +189,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         raise DFlashError(f"warmup must be >= 0, got {args.warmup}")
     config = generation_config(args)
-    names = [n.strip() for n in args.methods.split(",") if n.strip()]
-    unknown = [n for n in names if n not in bench.METHOD_NAMES]
-    if unknown:
-        raise DFlashError(f"unknown bench method(s) {unknown}; choose from {', '.join(bench.METHOD_NAMES)}")
-    if "dflash" not in names:
-        raise DFlashError("--methods must include dflash (the method this report is about)")
+    specs = bench_stats.parse_methods(args.methods)
+    dflash = [s.name for s in specs if s.kind == "dflash"]
+    if not dflash:
+        raise DFlashError("--methods must include dflash or dflash-bN[-sK] (the method this report is about)")
     prompts = load_prompt_set(args.prompts, args.limit)
-    bench.check_writable(args.out)
+    # Every output is checked before the run, so an hour of benchmarking never ends in a write error.
+    for path in (args.out, args.html, args.readme):
+        if path:
+            bench.check_writable(path)
+    if args.readme:
+        bench_stats.check_readme(args.readme)
+    if args.html and importlib.util.find_spec("plotly") is None:
+        raise DFlashError("--html needs plotly: pip install plotly")
     engine = load_engine(args)
     assert engine.drafter is not None
-    methods = bench.make_methods(engine, names)
+    methods = bench.make_methods(engine, [s.name for s in specs], config)
     results = bench.run_methods(prompts, methods, config, warmup=args.warmup, progress=not args.no_progress)
-    summary, per_prompt = bench.summarize(prompts, results, methods, primary="dflash")
+    summary, per_prompt = bench.summarize(prompts, results, methods, primary=dflash[0])
+    primary = next(m for m in methods if m.name == dflash[0])
     summary.update({
         "prompt_set": args.prompts,
         "target": engine.target.name,
         "draft": args.draft or default_drafter_for(args.target) or "untrained (random init)",
-        "block_size": config.block_size or engine.drafter.block_size,
-        "steps": config.steps,
+        "block_size": primary.block_size,
+        "steps": primary.steps,
         "temperature": config.temperature,
         "top_p": config.top_p,
         "top_k": config.top_k,
@@ -206,31 +221,48 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "max_new_tokens": config.max_new_tokens,
         "device": str(engine.target.device),
         "dtype": str(engine.target.dtype).removeprefix("torch."),
+        "command": bench_command(args),
         **bench.environment(engine),
     })
-    path = bench.write_report(args.out, summary, per_prompt)
+    written = [bench.write_report(args.out, summary, per_prompt)]
+    if args.html:
+        from app.bench_report import write_html  # plotly only when asked for: the engine never needs it
+
+        written.append(write_html(args.html, summary, per_prompt))
+    if args.readme:
+        written.append(bench_stats.write_readme(args.readme, summary))
     print(bench.format_table(summary))
-    print(f"wrote {path}", file=sys.stderr)
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
     if config.greedy and summary["mismatches"]:
         # Greedy DFlash must reproduce plain decoding token for token; anything else is a bug.
-        print(f"error: {summary['mismatches']} prompt(s) differ between plain and DFlash decoding at T=0",
-              file=sys.stderr)
+        print(f"error: on {summary['mismatches']} prompt(s) a method's tokens differ from {summary['baseline']}'s "
+              "at T=0 (see the exact column)", file=sys.stderr)
         return EXIT_MISMATCH
     return 0
 
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
+    from .bench_stats import METHOD_HELP
+
     p = sub.add_parser("bench", parents=[model_options(), decoding_options(256)],
-                       help="time plain vs DFlash decoding on a prompt set and check they agree",
-                       description="Benchmark plain vs DFlash decoding; writes a JSON report.")
-    p.add_argument("--prompts", required=True, metavar="FILE.jsonl|humaneval|gsm8k",
+                       help="time plain vs DFlash decoding (and transformers' peers) on a prompt set",
+                       description="Benchmark decoding methods on the same prompts, target and run; writes a "
+                                   "JSON report, optionally a self-contained HTML report and the README table.")
+    p.add_argument("--prompts", "--set", dest="prompts", required=True, metavar="FILE.jsonl|humaneval|gsm8k",
                    help='JSONL of {"prompt": str} or {"turns": [str, ...]}, or a built-in set')
     p.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts")
-    p.add_argument("--out", required=True, metavar="R.json", help="where to write the JSON report")
+    p.add_argument("--out", "--json", dest="out", required=True, metavar="R.json",
+                   help="where to write the JSON report")
+    p.add_argument("--html", default=None, metavar="R.html",
+                   help="also write a self-contained HTML report with charts (opens offline)")
+    p.add_argument("--readme", default=None, metavar="README.md",
+                   help="rewrite the results table between <!-- bench:start --> and <!-- bench:end --> there")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds per method (default 1)")
     p.add_argument("--methods", default="plain,dflash", metavar="A,B,...",
-                   help="comma list from plain, dflash, hf-generate (transformers generate), prompt-lookup "
-                        "(transformers prompt-lookup decoding); the first is the baseline (default plain,dflash)")
+                   help=f"comma list from {METHOD_HELP}; the first is the baseline for speed-ups and exact "
+                        "matches (default plain,dflash; all = plain, hf-generate, prompt-lookup, dflash-b4/b8/b16 "
+                        "with 1 and 2 steps)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 
@@ -278,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has already printed usage + the error (or --help)
         return e.code if isinstance(e.code, int) else EXIT_USER_ERROR
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # bench's report names the exact command
     try:
         return args.func(args)
     except DFlashError as e:

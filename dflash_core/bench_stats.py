@@ -1,0 +1,338 @@
+"""The benchmark's numbers: method names, per-method statistics, the terminal table and the README table.
+
+Pure functions over `RunResult`s: no model, no torch, so every formula here is tested on
+hand-made results. How each number is computed (the reports repeat this):
+
+- tau: mean tokens committed per draft block, accepted drafts + 1, over every block of the run.
+- tokens/s: total tokens / total seconds (prefill included); also the median and the mean of
+  the per-prompt rates, so one long reply cannot hide a slow majority.
+- speed-up: the baseline's (first method's) seconds per token / the method's, over the whole run.
+- t1: our plain decoding's mean engine time per step (one target forward + argmax), same run.
+- tB + tdraft: the method's mean verify + draft time per draft block, by the same engine timers.
+- bound: tau · t1 / (tB + tdraft), the speed-up if nothing but the draft and verify passes cost
+  time; achieved = measured speed-up against our plain decoding / bound. The gap is host
+  overhead (event building, text decoding, Python) and the prefill, which the bound leaves out.
+- exact: prompts whose token ids equal the baseline's (at T=0 every method should match).
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from .config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from .errors import DFlashError
+from .prompt_sets import Turns
+
+PROMPT_PREVIEW_CHARS = 200
+README_START = "<!-- bench:start -->"
+README_END = "<!-- bench:end -->"
+
+
+@dataclass
+class RunResult:
+    """One method's answer to one (possibly multi-turn) prompt."""
+
+    ids: list[int]  # the replies' token ids, all turns concatenated
+    seconds: float
+    replies: list[str] = field(default_factory=list)
+    tau: float | None = None  # committed tokens per target forward; None for methods without drafts
+    blocks: int = 0  # target forwards after the prefill (plain: one per token)
+    accepted: list[int] = field(default_factory=list)  # accepted drafts, one entry per draft block
+    draft_s: float = 0.0  # engine-timed drafting, summed over the blocks after the prefill
+    verify_s: float = 0.0  # engine-timed target forwards + acceptance, same blocks
+
+
+# ----- method names -----
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A parsed method name. `block_size`/`steps` None: the run's --block-size / --steps."""
+
+    name: str
+    kind: str  # plain, dflash, hf-generate, prompt-lookup
+    block_size: int | None = None
+    steps: int | None = None
+
+
+FIXED_METHODS = {
+    "plain": MethodSpec("plain", "plain"),
+    "dflash": MethodSpec("dflash", "dflash"),
+    "hf-generate": MethodSpec("hf-generate", "hf-generate"),
+    "prompt-lookup": MethodSpec("prompt-lookup", "prompt-lookup"),
+}
+ALL_METHODS = ("plain", "hf-generate", "prompt-lookup", "dflash-b4", "dflash-b8", "dflash-b16",
+               "dflash-b4-s2", "dflash-b8-s2", "dflash-b16-s2")
+_FAMILY = re.compile(r"dflash-b([1-9]\d*)(?:-s([1-9]\d*))?")
+METHOD_HELP = ("plain, dflash (the run's --block-size/--steps), dflash-bN, dflash-bN-sK (block size N, "
+               "K denoising steps), hf-generate, prompt-lookup, or all")
+
+
+def parse_method(name: str) -> MethodSpec:
+    if name in FIXED_METHODS:
+        return FIXED_METHODS[name]
+    m = _FAMILY.fullmatch(name)
+    if m is None:
+        raise DFlashError(f"unknown bench method {name!r}; choose from {METHOD_HELP}")
+    block = int(m[1])
+    if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
+        raise DFlashError(f"bench method {name!r}: block size must be {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
+    return MethodSpec(name, "dflash", block_size=block, steps=int(m[2] or 1))
+
+
+def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:
+    """A comma list (or a list) of method names; `all` expands to ALL_METHODS in place."""
+    raw = text.split(",") if isinstance(text, str) else list(text)
+    names: list[str] = []
+    for n in (s.strip() for s in raw):
+        names.extend(ALL_METHODS if n == "all" else [n] if n else [])
+    if not names:
+        raise DFlashError(f"no bench methods given; choose from {METHOD_HELP}")
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise DFlashError(f"bench method(s) {dupes} given twice")
+    unknown = [n for n in names if n not in FIXED_METHODS and not _FAMILY.fullmatch(n)]
+    if unknown:  # all of them in one message, not one per run of the command
+        raise DFlashError(f"unknown bench method(s) {unknown}; choose from {METHOD_HELP}")
+    return [parse_method(n) for n in names]
+
+
+# ----- statistics -----
+
+class MethodLike(Protocol):
+    name: str
+    kind: str
+    block_size: int | None
+    steps: int | None
+
+
+def accept_histogram(accepted: Sequence[int], block_size: int) -> list[int]:
+    """Counts of accepted drafts 0..B-1 per block (a block then commits accepted + 1 tokens)."""
+    hist = [0] * block_size
+    for a in accepted:
+        if not 0 <= a < block_size:
+            raise ValueError(f"accepted length {a} outside 0..{block_size - 1}")
+        hist[a] += 1
+    return hist
+
+
+def tau_of(results: Sequence[RunResult]) -> float | None:
+    """Block-weighted tau over a run; None for a method that does not draft."""
+    if all(r.tau is None for r in results):
+        return None
+    accepted = [a for r in results for a in r.accepted]
+    if accepted:
+        return sum(a + 1 for a in accepted) / len(accepted)
+    blocks = sum(r.blocks for r in results if r.tau is not None)
+    return sum(r.tau * r.blocks for r in results if r.tau is not None) / blocks if blocks else 1.0
+
+
+def speedup_bound(tau: float, t1_ms: float, verify_ms: float, draft_ms: float) -> float | None:
+    """tau · t(1 token) / (t(B tokens) + t(draft)); None when a time is missing."""
+    cost = verify_ms + draft_ms
+    return tau * t1_ms / cost if t1_ms > 0 and cost > 0 else None
+
+
+def _per_token_s(results: Sequence[RunResult]) -> float:
+    tokens = sum(len(r.ids) for r in results)
+    return sum(r.seconds for r in results) / tokens if tokens else float("inf")
+
+
+def _ms_per_block(results: Sequence[RunResult], attr: str) -> float | None:
+    blocks = sum(r.blocks for r in results)
+    total = sum(getattr(r, attr) for r in results)
+    return total / blocks * 1e3 if blocks and total > 0 else None
+
+
+def method_stats(m: MethodLike, runs: Sequence[RunResult], base: Sequence[RunResult],
+                 plain: Sequence[RunResult] | None) -> dict[str, Any]:
+    """Everything the reports show for one method, against the baseline's and plain's runs."""
+    rates = [len(r.ids) / r.seconds for r in runs if r.seconds > 0]
+    tokens, seconds = sum(len(r.ids) for r in runs), sum(r.seconds for r in runs)
+    cost = _per_token_s(runs)
+    s: dict[str, Any] = {
+        "kind": m.kind, "block_size": m.block_size, "steps": m.steps, "tokens": tokens, "seconds": seconds,
+        "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+        "tokens_per_s_median": statistics.median(rates) if rates else 0.0,
+        "tokens_per_s_mean": statistics.fmean(rates) if rates else 0.0,
+        "speedup": _per_token_s(base) / cost,
+        "exact_matches": sum(r.ids == b.ids for r, b in zip(runs, base, strict=True)),
+        "tau": tau_of(runs), "tau_hist": None, "draft_ms_per_block": None, "verify_ms_per_block": None,
+        "step_ms": None, "bound": None, "achieved": None,
+    }
+    if s["tau"] is None:
+        if m.kind == "plain":
+            s["step_ms"] = _ms_per_block(runs, "verify_s")
+        return s
+    accepted = [a for r in runs for a in r.accepted]
+    if accepted and m.block_size:
+        s["tau_hist"] = accept_histogram(accepted, m.block_size)
+    s["draft_ms_per_block"] = _ms_per_block(runs, "draft_s")
+    s["verify_ms_per_block"] = _ms_per_block(runs, "verify_s")
+    t1 = _ms_per_block(plain, "verify_s") if plain else None
+    if t1 is not None and s["verify_ms_per_block"] is not None:
+        s["bound"] = speedup_bound(s["tau"], t1, s["verify_ms_per_block"], s["draft_ms_per_block"] or 0.0)
+        if s["bound"]:
+            s["achieved"] = _per_token_s(plain) / cost / s["bound"]
+    return s
+
+
+def summarize(prompts: Sequence[Turns], results: Sequence[dict[str, RunResult]],
+              methods: Sequence[MethodLike], primary: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The report's summary and per-prompt rows. The first method is the baseline; `primary`
+    (the first DFlash method) also gets the top-level `mean_tau` and `speedup`."""
+    names = [m.name for m in methods]
+    base = names[0]
+    per_prompt = []
+    for turns, res in zip(prompts, results, strict=True):
+        row: dict[str, Any] = {"prompt": turns[0][:PROMPT_PREVIEW_CHARS], "turns": len(turns)}
+        for n in names:
+            row[f"{n}_ids"] = res[n].ids
+        if res[primary].tau is not None:
+            row["tau"] = res[primary].tau
+        for n in names:
+            row[f"{n}_s"] = res[n].seconds
+            row[f"{n}_tokens"] = len(res[n].ids)
+            if n != primary and res[n].tau is not None:
+                row[f"{n}_tau"] = res[n].tau
+        row["match"] = all(res[n].ids == res[base].ids for n in names)
+        per_prompt.append(row)
+
+    runs = {n: [r[n] for r in results] for n in names}
+    plain_name = next((m.name for m in methods if m.kind == "plain"), None)
+    plain = runs[plain_name] if plain_name else None
+    per_method = {m.name: method_stats(m, runs[m.name], runs[base], plain) for m in methods}
+    summary: dict[str, Any] = {"prompts": len(per_prompt), "methods": names, "baseline": base, "primary": primary}
+    for n, s in per_method.items():  # flat keys: the report format from before per_method existed
+        summary[f"{n}_tokens"] = s["tokens"]
+        summary[f"{n}_s"] = s["seconds"]
+        summary[f"{n}_tokens_per_s"] = s["tokens_per_s"]
+        if s["tau"] is not None:
+            summary["mean_tau" if n == primary else f"{n}_mean_tau"] = s["tau"]
+        if n != base:
+            summary["speedup" if n == primary else f"{n}_speedup"] = s["speedup"]
+    summary["mismatches"] = sum(not r["match"] for r in per_prompt)
+    summary["plain_step_ms"] = per_method[plain_name]["step_ms"] if plain_name else None  # t1
+    summary["per_method"] = per_method
+    return summary, per_prompt
+
+
+# ----- tables -----
+
+def _num(x: float | None, fmt: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{fmt}}{suffix}"
+
+
+def row_cells(s: dict[str, Any], prompts: int) -> list[str]:
+    verify = s["verify_ms_per_block"] if s["step_ms"] is None else s["step_ms"]
+    return [_num(s["tokens_per_s"], ".1f"), _num(s["tokens_per_s_median"], ".1f"), _num(s["tau"], ".2f"),
+            _num(s["speedup"], ".2f", "x"), _num(s["draft_ms_per_block"], ".2f"), _num(verify, ".2f"),
+            _num(s["bound"], ".2f", "x"), _num(None if s["achieved"] is None else 100 * s["achieved"], ".0f", "%"),
+            f"{s['exact_matches']}/{prompts}"]
+
+
+TABLE_HEAD = ["tok/s", "med tok/s", "tau", "speed-up", "draft ms", "verify ms", "bound", "achieved", "exact"]
+
+
+def legend(summary: dict[str, Any]) -> list[str]:
+    base = summary["baseline"]
+    return [
+        "tok/s = all tokens / all seconds (prefill included); med = median of the per-prompt rates",
+        "tau = mean tokens committed per draft block (accepted drafts + 1); "
+        f"speed-up = {base}'s s/token / the method's, whole run",
+        "draft/verify ms = engine-timed mean per draft block (plain: verify = t1, ms per token)",
+        "bound = tau·t1/(t_verify+t_draft); achieved = speed-up vs plain / bound (below 100%: host overhead "
+        "and prefill; above: the same overhead weighs more on plain's shorter steps)",
+        f"exact = prompts whose token ids equal {base}'s",
+    ]
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    """The terminal table, one row per method."""
+    names, n_prompts = summary["methods"], summary["prompts"]
+    width = max(12, *(len(n) + 2 for n in names))
+    widths = [8, 8, 10, 6, 9, 9, 10, 7, 9, 7]
+    head = ["tokens", *TABLE_HEAD]
+    rows = [f"{'method':<{width}}" + "".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True))]
+    for n in names:
+        s = summary["per_method"][n]
+        cells = [str(s["tokens"]), *row_cells(s, n_prompts)]
+        rows.append(f"{n:<{width}}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True)))
+    rule = "-" * len(rows[0])
+    exact = "exact expected at T=0" if summary["temperature"] == 0 else "sampling: outputs may differ"
+    return "\n".join([
+        f"{summary['target']} · draft: {summary['draft']}",
+        f"{summary['device']} {summary['dtype']} · block {summary['block_size']} · steps {summary['steps']} · "
+        f"T={summary['temperature']:g} · max {summary['max_new_tokens']} new tokens · {summary['prompts']} prompts",
+        rule, *rows, rule, *legend(summary),
+        f"mismatches {summary['mismatches']} ({exact})",
+    ])
+
+
+def hardware(summary: dict[str, Any]) -> str:
+    if str(summary.get("device", "")).startswith("cuda") and summary.get("cuda_device"):
+        return f"{summary['cuda_device']} (CUDA)"
+    return f"{summary.get('cpu', 'CPU')}, {summary.get('torch_threads', '?')} torch threads"
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The README's results block: what ran where, the command, the table, how it is computed."""
+    names, n_prompts = summary["methods"], summary["prompts"]
+    lines = [
+        f"Measured {summary.get('date', '?')} on {hardware(summary)}, {summary.get('dtype', '?')}; "
+        f"torch {summary.get('torch', '?')}, transformers {summary.get('transformers', '?')}. "
+        f"Target `{summary.get('target', '?')}`, drafter `{summary.get('draft', '?')}`; "
+        f"prompt set `{summary.get('prompt_set', '?')}`, {n_prompts} prompts, "
+        f"≤ {summary.get('max_new_tokens', '?')} new tokens, T={summary.get('temperature', 0):g}.",
+        "",
+        f"Regenerate: `{summary.get('command', 'python -m dflash_core bench ...')}`",
+        "",
+        "| method | " + " | ".join(TABLE_HEAD) + " |",
+        "| --- |" + " ---: |" * len(TABLE_HEAD),
+    ]
+    for n in names:
+        lines.append(f"| `{n}` | " + " | ".join(row_cells(summary["per_method"][n], n_prompts)) + " |")
+    lines += ["", *(f"- {line}" for line in legend(summary))]
+    return "\n".join(lines)
+
+
+def replace_region(text: str, block: str, start: str = README_START, end: str = README_END) -> str:
+    """`text` with everything between the markers replaced by `block`; the markers stay."""
+    if text.count(start) != 1 or text.count(end) != 1:
+        raise DFlashError(f"expected exactly one {start} and one {end} marker")
+    i, j = text.index(start) + len(start), text.index(end)
+    if j < i:
+        raise DFlashError(f"{end} comes before {start}")
+    return text[:i] + "\n" + block.strip("\n") + "\n" + text[j:]
+
+
+def check_readme(path: str | Path) -> None:
+    """Fail before the benchmark runs, not after it."""
+    path = Path(path).expanduser()
+    try:
+        replace_region(path.read_text(encoding="utf-8"), "")
+    except OSError as e:
+        raise DFlashError(f"cannot read {path}: {e.strerror or e}") from None
+    except DFlashError as e:
+        raise DFlashError(f"{path}: {e}") from None
+
+
+def write_readme(path: str | Path, summary: dict[str, Any]) -> Path:
+    path = Path(path).expanduser()
+    check_readme(path)
+    return write_text_atomic(path, replace_region(path.read_text(encoding="utf-8"), markdown_table(summary)))
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    path = Path(path).expanduser()
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)  # a reader never sees half a file
+    except OSError as e:
+        raise DFlashError(f"cannot write {path}: {e.strerror or e}") from None
+    return path

@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# The prepared GPU check: the correctness tests, then `bench --methods all` on the embedded target
+# on the GPU, printed as one table. Under 8 minutes in all (call 2 budgets ~7 min, see below).
+#
+# Where it runs: the offline device machine (python3 3.12 with torch+CUDA, transformers, pytest
+# and scipy preinstalled; no internet; /work/.library/device/KINDS.md). As in scripts/gpu_train.sh,
+# the embedded target's GGUF (98 MB) travels in two calls under the 64 MiB carry limit, from the
+# carries that scripts/gpu_bundle.sh builds here (.gpu/a = GGUF part A; .gpu/b = part B, its
+# sha256, the gguf wheel and the HumanEval/GSM8K files laid out as their packages hold them).
+#
+#   bash scripts/gpu_bundle.sh                       # here, once (needs the venv and internet)
+#   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/a"], timeout_s=120)
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu/b"], timeout_s=480)    # AT ONCE after call 1
+# A fresh machine in call 2 (call 1's part A gone) stops within seconds with exit code 3.
+# Then, here, from the files that come back (bench.json, gpu_check.log):
+#   .venv/bin/python -m app.bench_report FILES_AT/bench.json --html runs/gpu-check.html
+# (add --readme README.md only for a run whose numbers are meant as the README's results).
+#
+# What is checked, and where:
+#   - tests/test_lossless.py and tests/test_verify.py: their fixtures load the target on the CPU
+#     (tests/conftest.py), so they run on the device's 16 CPU cores, not on the GPU;
+#   - losslessness ON THE GPU is the bench's exact-match column: at T=0 every method must give
+#     plain decoding's tokens on every prompt. fp32 by default: there a block forward and a
+#     one-token forward differ far less than in bf16 (DFLASH_CHECK_DTYPE=bfloat16), where a
+#     near-tie may resolve differently and show as a mismatch without a bug behind it.
+# Knobs: DFLASH_CHECK_LIMIT (HumanEval prompts, default 6), DFLASH_CHECK_TOKENS (default 128),
+# DFLASH_CHECK_TEST_S (default 150), DFLASH_CHECK_BENCH_S (default 240): ~40 s of setup + 150 + 240 < 8 min.
+#
+#   bash scripts/gpu_check.sh --cpu-smoke            # here, no GPU: the same steps, tiny, on the CPU
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODE=gpu
+case "${1:-}" in
+  --stage) MODE=stage ;;
+  --cpu-smoke) MODE=cpu-smoke ;;
+  "") ;;
+  *) echo "usage: bash scripts/gpu_check.sh [--stage | --cpu-smoke]" >&2; exit 2 ;;
+esac
+OUT=${OUT:-runs/gpu-check}
+mkdir -p "$OUT"
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1
+
+source scripts/gpu_env.sh
+if [ "$MODE" = stage ]; then  # call 1: park part A outside the repo, on the warm machine
+  gpu_stage
+  exit $?
+fi
+
+if [ "$MODE" = gpu ]; then
+  PY=python3
+  gpu_prepare check gpu_check.sh || exit $?
+  DEVICE=cuda
+  DTYPE=${DFLASH_CHECK_DTYPE:-float32}
+  TESTS=(tests/test_lossless.py tests/test_verify.py)
+  BENCH=(--set humaneval --limit "${DFLASH_CHECK_LIMIT:-6}" --max-new-tokens "${DFLASH_CHECK_TOKENS:-128}"
+         --methods all)
+  TEST_S=${DFLASH_CHECK_TEST_S:-150}
+  BENCH_S=${DFLASH_CHECK_BENCH_S:-240}
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
+else  # cpu-smoke: this machine's venv, a test file that loads no model, 2 prompts x 16 tokens
+  PY=${PYTHON:-.venv/bin/python}
+  DEVICE=cpu
+  DTYPE=float32
+  TESTS=(tests/test_verify.py -k "greedy_accept")
+  BENCH=(--set gsm8k --limit 2 --max-new-tokens 16 --methods plain,dflash-b4 --warmup 0)
+  TEST_S=120
+  BENCH_S=300
+fi
+echo "[check] $(date -u +%FT%TZ) mode $MODE: $($PY -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)')"
+
+t=$(date +%s)
+timeout "$TEST_S" $PY -m pytest -x -q -p no:cacheprovider "${TESTS[@]}" > "$OUT/tests.log" 2>&1
+test_rc=$?
+test_line=$(grep -E '[0-9]+ (passed|failed|error)' "$OUT/tests.log" | tail -1)
+[ "$test_rc" = 124 ] && test_line="timed out after ${TEST_S} s"
+test_s=$(( $(date +%s) - t ))
+
+t=$(date +%s)
+timeout "$BENCH_S" $PY -m dflash_core bench "${BENCH[@]}" --device "$DEVICE" --dtype "$DTYPE" --no-progress \
+  --json "$OUT/bench.json" > "$OUT/bench_table.txt" 2> "$OUT/bench.log"
+bench_rc=$?
+bench_s=$(( $(date +%s) - t ))
+
+{
+  [ "$test_rc" = 0 ] || tail -n 30 "$OUT/tests.log"
+  [ "$bench_rc" = 0 ] || tail -n 20 "$OUT/bench.log"
+  echo "[check] tests (CPU-only fixtures, run on this machine's CPU): ${test_line:-no result} · exit $test_rc · ${test_s} s"
+  echo "[check] bench exit $bench_rc (1 = a method's tokens differ from plain at T=0) · ${bench_s} s"
+  cat "$OUT/bench_table.txt"
+  echo "[check] done in $(( $(date +%s) - T0 )) s; JSON: $OUT/bench.json"
+} | tee "$OUT/gpu_check.log"
+[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]
