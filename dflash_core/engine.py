@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
+from . import kernels
 from .config import GenerationConfig
 from .drafter import DFlashDrafter, check_fit
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
 from .targets import Target
-from .verify import greedy_accept, logits_to_probs, sample, speculative_accept
+from .verify import draw_uniforms, greedy_accept, logits_to_probs, sample, speculative_accept
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 Event = BlockEvent | Finished
@@ -125,6 +126,13 @@ class Engine:
         yield self._event(0, len(ids), None, 0, first, kept, 0.0, prefill_s * 1e3, out)
 
         dcache = None if plain else self.drafter.new_cache(cache_len)
+        # On CUDA the accept step runs as Triton kernels that also write the committed tokens into
+        # a device-side buffer at a device-side length: the block's one sync then reads them too.
+        fused = not plain and kernels.use_triton(dev)
+        if fused:
+            committed_dev = torch.zeros(max_new + block + 1, dtype=torch.long, device=dev)
+            committed_len = torch.zeros(1, dtype=torch.long, device=dev)
+            n_committed = 0  # the host's copy of committed_len, learnt at each block's sync
         pending = None if feats is None else feats[None]  # features the drafter has not seen yet
         start = len(ids)  # position of the anchor: the newest committed token, not yet in tcache
         index = 0
@@ -153,11 +161,26 @@ class Engine:
             block_ids = torch.cat([torch.tensor([anchor], device=dev), draft.tokens]).unsqueeze(0)
             logits, feats = target.forward(block_ids, tcache, layer_ids)
             if cfg.greedy:
-                acc_t, tok_t = greedy_accept(draft.tokens, logits)
+                if fused:
+                    acc_t, tok_t = kernels.greedy_accept_triton(draft.tokens, logits, committed_dev, committed_len)
+                else:
+                    acc_t, tok_t = greedy_accept(draft.tokens, logits)
             else:
                 p = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-                acc_t, tok_t = speculative_accept(draft.tokens, draft.q, p, gen)
-            acc, tok = (int(v) for v in torch.stack([acc_t, tok_t]).tolist())  # the block's one sync
+                if fused:  # the same uniforms speculative_accept would draw: same tokens for a seed
+                    u = draw_uniforms(block - 1, gen, dev)
+                    acc_t, tok_t = kernels.speculative_accept_triton(draft.tokens, draft.q, p, u,
+                                                                     committed_dev, committed_len)
+                else:
+                    acc_t, tok_t = speculative_accept(draft.tokens, draft.q, p, gen)
+            if fused:
+                window = committed_dev[n_committed : n_committed + block]
+                acc, tok, *written = torch.cat([acc_t[None], tok_t[None], window]).tolist()  # the block's one sync
+                new = written[: acc + 1]
+                n_committed += acc + 1
+            else:
+                acc, tok = (int(v) for v in torch.stack([acc_t, tok_t]).tolist())  # the block's one sync
+                new = [*draft.tokens[:acc].tolist(), tok]
             t3 = time.perf_counter()
             tcache.truncate(start + acc + 1)
             pending = feats[None, : acc + 1]
@@ -165,7 +188,7 @@ class Engine:
             state.verify_s += t3 - t2
             state.blocks += 1
             state.accepted.append(acc)
-            kept, reason = stopper.commit(out, [*draft.tokens[:acc].tolist(), tok])
+            kept, reason = stopper.commit(out, new)
             yield self._event(index, start, draft, acc, tok, kept, (t2 - t1) * 1e3, (t3 - t2) * 1e3, out)
             start += acc + 1
 

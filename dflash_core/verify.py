@@ -4,6 +4,8 @@ Both decide a whole block without a Python loop over tokens. The speculative sam
 (accept draft x with probability min(1, p(x)/q(x)); at the first rejection draw from the
 normalised max(0, p - q); after a fully accepted block draw a bonus from p) makes every
 committed token follow the target's distribution p exactly, whatever q the drafter used.
+Its random numbers are drawn explicitly (`draw_uniforms`) and the final token is picked by
+inverse CDF, so the Triton kernel in kernels.py, given the same numbers, picks the same tokens.
 """
 
 from __future__ import annotations
@@ -43,6 +45,56 @@ def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[tor
     return accepted, choice[accepted]
 
 
+def draw_uniforms(n: int, generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """The random numbers one block of speculative sampling consumes: float64 [n + 1].
+
+    u[:n] drive the accept tests at positions 0..n-1, u[n] picks the final (correction or bonus)
+    token by inverse CDF. The torch rule and the Triton kernel (dflash_core/kernels.py) both take
+    them as input, so the same generator state gives the same block on either path. float64 so
+    the inverse CDF resolves probabilities far below float32's 2**-24 step.
+    """
+    return torch.rand(n + 1, generator=generator, device=device, dtype=torch.float64)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The token whose CDF interval holds u: weights [V] >= 0 (unnormalised), u 0-d in [0, 1).
+
+    Returns the first index i with cdf[i] > u * total (a u exactly on a boundary goes to the
+    next token; a zero-weight token is never chosen), accumulated in float64. If rounding puts
+    u * total at or past the end, the last token with positive weight. 0-d int64, no host sync.
+    """
+    cdf = weights.double().cumsum(-1)
+    threshold = u.double().reshape(1) * cdf[-1]
+    index = torch.searchsorted(cdf, threshold, right=True)[0]  # how many cdf entries are <= threshold
+    positions = torch.arange(weights.shape[-1], device=weights.device)
+    last_positive = torch.where(weights > 0, positions, -1).max()
+    return torch.minimum(index, last_positive)
+
+
+def speculative_accept_u(
+    draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`speculative_accept` with its random numbers given: u float64 [B] (see `draw_uniforms`).
+
+    The reference the Triton kernel is tested against; it computes in float32 (bf16/fp16 are
+    upcast) and float64 exactly as the kernel does.
+    """
+    n = draft.shape[0]
+    p, q, u = p.float(), q.float(), u.double()
+    rows = torch.arange(n, device=draft.device)
+    ok = u[:n] * q[rows, draft].double() < p[rows, draft].double()  # u < p/q without dividing by a zero q
+    accepted = ok.int().cumprod(0).sum()
+    # Only the row at `accepted` matters; pick it on the device (no host round trip).
+    at = accepted.reshape(1)
+    p_row = p.index_select(0, at)[0]
+    q_row = q.index_select(0, at.clamp_max(n - 1))[0] if n else torch.zeros_like(p_row)
+    q_row = torch.where(accepted < n, q_row, 0.0)  # no q after a full accept:
+    residual = (p_row - q_row).clamp_min(0.0)  # then this is p's last row itself (the bonus)
+    # Where p == q the residual is empty; rejection there has probability 0, so any row is fine.
+    weights = torch.where((residual > 0).any(), residual, p_row)
+    return accepted, inverse_cdf(weights, u[n])
+
+
 def speculative_accept(
     draft: torch.Tensor,
     q: torch.Tensor,
@@ -53,18 +105,4 @@ def speculative_accept(
 
     Returns (accepted count, the correction or bonus token), both 0-d tensors.
     """
-    n = draft.shape[0]
-    rows = torch.arange(n, device=draft.device)
-    p_draft = p[rows, draft]
-    q_draft = q[rows, draft]
-    u = torch.rand(n, generator=generator, device=p.device, dtype=p.dtype)
-    ok = u * q_draft < p_draft  # u < p/q without dividing by a zero q
-    accepted = ok.int().cumprod(0).sum()
-    # One candidate per position, picked by `accepted` afterwards: no host round trip.
-    residual = (p[:n] - q).clamp_min(0.0)
-    mass = residual.sum(-1, keepdim=True)
-    # Where p == q the residual is empty; rejection there has probability 0, so any row is fine.
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p[:n])
-    candidates = torch.cat([residual, p[n:]], dim=0)
-    token = sample(candidates, generator)[accepted]
-    return accepted, token
+    return speculative_accept_u(draft, q, p, draw_uniforms(draft.shape[0], generator, p.device))
