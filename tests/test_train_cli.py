@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 
 from dflash_core.__main__ import main
 from dflash_core.drafter import DFlashDrafter, check_fit, config_for_target, init_weights, load_drafter
@@ -97,6 +101,26 @@ def test_max_minutes_stops_early(trained: Path) -> None:
     assert report["train"]["stop"] == "time" and 1 <= report["train"]["steps"] < 100000
     assert (out / "model.safetensors").is_file()
     assert load_drafter(out).config.block_size == 8
+
+
+def test_two_processes_stay_in_step(trained: Path) -> None:
+    """`torchrun` / `accelerate launch` path on CPU (gloo): each process draws its own batches and
+    gradients are averaged, so both replicas end with the same weights; only rank 0 writes."""
+    out = trained / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(free_port()), "-m", "dflash_core", "train", "--data", str(trained / "data"), "--out", str(out),
+           "--steps", "6", "--partial-mask", "0.5", *TRAIN_FLAGS, "--threads", "1", "--eval-prompts", "none"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parent.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((out / "train_report.json").read_text())
+    t = report["train"]
+    assert t["world_size"] == 2 and t["steps"] == 6
+    digests = t["replica_weight_digests"]
+    assert len(digests) == 2 and digests[0] == digests[1]
+    assert [json.loads(x)["step"] for x in (out / "log.jsonl").read_text().splitlines()] == [4, 6]  # rank 0 only
+    assert load_drafter(out).config.block_size == 8
+    assert res.stdout.count("[train] data:") == 1
 
 
 def test_padded_batch_equals_one_sequence_forwards(target) -> None:

@@ -77,6 +77,27 @@ def test_blocks_inputs_labels_and_ends() -> None:
     assert bb.context_len == 17
 
 
+def test_partial_masking_shows_true_tokens_without_loss() -> None:
+    ids = torch.arange(100, 400)
+    anchors = list(range(0, 280, 7))
+    plain = build_blocks(ids, anchors, 16, MASK)
+    g = torch.Generator().manual_seed(0)
+    part = build_blocks(ids, anchors, 16, MASK, reveal=0.8, generator=g)
+    shown = (part.input_ids != MASK) & (torch.arange(part.input_ids.shape[0]) % 16 != 0)
+    # Shown positions hold the true token (the label they no longer carry) and weigh nothing.
+    assert 0 < int(shown.sum()) < int((plain.labels != IGNORE).sum())
+    assert torch.equal(part.input_ids[shown], plain.labels[shown])
+    assert (part.labels[shown] == IGNORE).all() and (part.weights[shown] == 0).all()
+    # Everything else is the plain recipe: anchors, still-masked labels and their weights.
+    assert torch.equal(part.labels[~shown], plain.labels[~shown])
+    assert torch.equal(part.weights[~shown], plain.weights[~shown])
+    assert torch.equal(part.input_ids[~shown], plain.input_ids[~shown])
+    # Rates differ per block (r ~ U(0, R)): some blocks show much more than others.
+    per_block = shown.view(-1, 16).sum(1)
+    assert int(per_block.max()) - int(per_block.min()) >= 5
+    assert torch.equal(build_blocks(ids, anchors, 16, MASK, reveal=0.0).input_ids, plain.input_ids)
+
+
 def test_mask_shape_and_rules() -> None:
     anchors, t = [3, 5, 9], 9
     m = block_attention_mask(anchors, B, t)

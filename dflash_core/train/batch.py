@@ -48,8 +48,10 @@ class PaddedBatch:
 
 
 def collate(rows: list[tuple[torch.Tensor, list[int]]], block_size: int, mask_token_id: int,
-            gamma: float | None = None, window: int | None = None) -> PaddedBatch:
-    """`rows`: (ids [L], sorted anchors) per sequence, each with at least one anchor."""
+            gamma: float | None = None, window: int | None = None, reveal: float = 0.0,
+            generator: torch.Generator | None = None) -> PaddedBatch:
+    """`rows`: (ids [L], sorted anchors) per sequence, each with at least one anchor;
+    `reveal`: partial masking (see `recipe.build_blocks`)."""
     if not rows or any(not a for _, a in rows):
         raise ValueError("every row needs at least one anchor")
     n_max = max(len(a) for _, a in rows)
@@ -65,7 +67,7 @@ def collate(rows: list[tuple[torch.Tensor, list[int]]], block_size: int, mask_to
         lengths.append(n)
         # Dummy anchors at 0: they see no context key (p < 0) and only their own block.
         bb = build_blocks(seq, [*anchors, *[0] * (n_max - len(anchors))], b, mask_token_id, gamma, context_len=t,
-                          window=window)
+                          window=window, reveal=reveal, generator=generator)
         real = len(anchors) * b
         bb.labels[real:] = IGNORE
         bb.weights[real:] = 0.0

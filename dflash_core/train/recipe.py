@@ -106,10 +106,15 @@ def block_attention_mask(anchors: list[int], block_size: int, context_len: int,
 
 def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: int, mask_token_id: int,
                  gamma: float | None = None, context_len: int | None = None,
-                 window: int | None = None) -> BlockBatch:
+                 window: int | None = None, reveal: float = 0.0,
+                 generator: torch.Generator | None = None) -> BlockBatch:
     """Blocks for one sequence `ids` [L] at the given anchors.
 
     `context_len` defaults to the last anchor: features at or after it are never attended.
+    `reveal` (partial masking, for multi-step denoising): each block draws a rate r ~ U(0, reveal)
+    and shows each of its positions 1..B-1 with probability r as the true token instead of the
+    mask; shown positions carry no loss. A drafter trained so learns to use tokens an earlier
+    denoising step has fixed, which a drafter that only ever saw full masks cannot.
     """
     ids = torch.as_tensor(ids, dtype=torch.long)
     seq_len = ids.shape[0]
@@ -122,6 +127,11 @@ def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: 
     labels[:, 0] = IGNORE  # the anchor is given, not predicted
     inp = torch.full_like(pos, mask_token_id)
     inp[:, 0] = ids[pos[:, 0]]
+    if reveal > 0:
+        rate = torch.rand((len(anchors), 1), generator=generator) * reveal
+        shown = (torch.rand(pos.shape, generator=generator) < rate) & (labels != IGNORE)
+        inp = torch.where(shown, labels, inp)
+        labels = labels.masked_fill(shown, IGNORE)
     w = position_weights(b, gamma)[None, :].expand_as(pos) * (labels != IGNORE)
     t = max(anchors) if context_len is None else context_len
     mask = block_attention_mask(anchors, b, t, window)[None, None]

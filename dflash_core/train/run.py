@@ -35,6 +35,7 @@ from ..drafter import CONFIG_NAME, DFlashConfig, DFlashDrafter, default_target_l
 from ..errors import DFlashError
 from .batch import HeadSubset, PaddedBatch, batch_forward, cached_features, collate, context_features
 from .data import generate_into, iter_samples, shard_paths
+from .dist import init_dist
 from .drafter_init import build_drafter
 from .features import build_features, load_feature_file
 from .recipe import bigram_accuracy, expected_accepted, lr_factor, sample_anchors
@@ -120,8 +121,8 @@ def context_window(args: argparse.Namespace, step: int) -> int | None:
 
 
 def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mask_token_id: int,
-               gamma: float | None, g: torch.Generator,
-               window: int | None = None) -> tuple[PaddedBatch, list[Sample]] | None:
+               gamma: float | None, g: torch.Generator, window: int | None = None,
+               reveal: float = 0.0) -> tuple[PaddedBatch, list[Sample]] | None:
     rows, used = [], []
     for s in samples:
         anchors = sample_anchors(s.prompt_len, len(s.ids), anchors_per_seq, g)
@@ -130,7 +131,7 @@ def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mas
             used.append(s)
     if not rows:
         return None
-    return collate(rows, block_size, mask_token_id, gamma, window), used
+    return collate(rows, block_size, mask_token_id, gamma, window, reveal, g), used
 
 
 def batch_context(target: Any, batch: PaddedBatch, used: list[Sample], layer_ids: list[int]) -> torch.Tensor:
@@ -233,7 +234,11 @@ def run_train(args: argparse.Namespace) -> int:
     from ..targets import default_device, load_target
 
     t_start = time.time()
-    device = args.device or default_device()
+    # Under `accelerate launch` / `torchrun`: one process per device, gradients averaged each step;
+    # only rank 0 logs, saves and evaluates.
+    dd, device = init_dist(args.device or default_device())
+    if dd.world > 1 and args.generate:
+        raise DFlashError("--generate runs in a single process: top up the data first, then launch the training")
     if args.threads:
         torch.set_num_threads(args.threads)
     on_cuda = str(device).startswith("cuda")
@@ -250,7 +255,8 @@ def run_train(args: argparse.Namespace) -> int:
         raise DFlashError("--batch-seqs and --anchors-per-seq must be >= 1")
     features_mode = args.features if args.features != "auto" else ("online" if on_cuda else "cache")
     autocast = torch.bfloat16 if on_cuda and not args.no_autocast else None
-    progress = not args.no_progress
+    progress = not args.no_progress and dd.main
+    say = print if dd.main else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
     folders = [Path(f) for f in args.data.split(",") if f]
     if not folders:
@@ -286,7 +292,7 @@ def run_train(args: argparse.Namespace) -> int:
                       "reply_tokens": reply_tokens, "tokens": sum(len(s.ids) for s in samples),
                       "train_samples": len(train_samples), "heldout_samples": len(held),
                       "shards": sum(len(shard_paths(f)) for f in folders if f.exists()), "generated": gen_stats}
-    print(f"[train] data: {len(samples)} samples ({reply_tokens} reply tokens), {len(held)} held out", flush=True)
+    say(f"[train] data: {len(samples)} samples ({reply_tokens} reply tokens), {len(held)} held out", flush=True)
 
     # ----- (b) the drafter: fresh or resumed -----
     resumed = None
@@ -299,7 +305,7 @@ def run_train(args: argparse.Namespace) -> int:
         for name in ("block_size", "num_layers"):
             have_v = cfg.block_size if name == "block_size" else cfg.num_hidden_layers
             if getattr(args, name) != have_v:
-                print(f"[train] --resume: keeping the checkpoint's {name} {have_v} (not {getattr(args, name)})")
+                say(f"[train] --resume: keeping the checkpoint's {name} {have_v} (not {getattr(args, name)})")
                 setattr(args, name, have_v)
         layer_ids = list(cfg.target_layer_ids)
     else:
@@ -312,9 +318,13 @@ def run_train(args: argparse.Namespace) -> int:
     held_eval = held[: args.eval_seqs]
     if features_mode == "cache":
         t0 = time.time()
+        if not dd.main:
+            dd.barrier()  # rank 0 builds the cache; the others then only read it
         attach_cached_features(target, train_samples + held_eval, [f for f in folders if f.exists()],
                                Path(args.feature_cache) if args.feature_cache else out / "features", layer_ids,
                                progress)
+        if dd.main:
+            dd.barrier()
         report["feature_cache_s"] = round(time.time() - t0, 1)
     head = None
     train_vocab = args.train_vocab if args.train_vocab >= 0 else (0 if on_cuda else 8192)
@@ -324,7 +334,7 @@ def run_train(args: argparse.Namespace) -> int:
             counts_v.index_add_(0, s.ids[s.prompt_len:], torch.ones(len(s.ids) - s.prompt_len))
         head = HeadSubset(counts_v, train_vocab)
         report["train_vocab"] = {"size": int(head.keep.shape[0]), "coverage": round(head.coverage, 5)}
-        print(f"[train] training head: {head.keep.shape[0]} most frequent tokens "
+        say(f"[train] training head: {head.keep.shape[0]} most frequent tokens "
               f"({head.coverage:.2%} of reply tokens)", flush=True)
     if held_eval and not resumed:
         report["bigram_acc1"] = round(bigram_accuracy(train_samples, held_eval), 4)
@@ -348,16 +358,17 @@ def run_train(args: argparse.Namespace) -> int:
         if not args.steps:
             total[0] = int(resumed.get("total_steps", total[0]))
         report["resumed_from"] = step
-        print(f"[train] resumed at step {step} from {state_path}", flush=True)
+        say(f"[train] resumed at step {step} from {state_path}", flush=True)
     if args.steps and step >= args.steps:
-        print(f"[train] already at step {step} >= --steps {args.steps}; evaluating only", flush=True)
+        say(f"[train] already at step {step} >= --steps {args.steps}; evaluating only", flush=True)
     # Data order is re-drawn on resume (seeded by the step), not replayed.
-    stream = Stream(train_samples, args.seed + step)
-    g = torch.Generator().manual_seed(args.seed * 7919 + step)
+    # Each process draws its own batches (seeded by rank too).
+    stream = Stream(train_samples, args.seed + step + 1_000_003 * dd.rank)
+    g = torch.Generator().manual_seed(args.seed * 7919 + step + 1_000_003 * dd.rank)
     info_base = {"layer_ids": layer_ids, "args": {k: v for k, v in vars(args).items() if k != "func"}}
 
     # ----- (c) the loop -----
-    log = (out / LOG_NAME).open("a")
+    log = (out / LOG_NAME if dd.main else Path(os.devnull)).open("a")
     hits = torch.zeros(args.block_size, dtype=torch.long)
     counts = torch.zeros(args.block_size, dtype=torch.long)
     win_hits, win_counts = hits.clone(), counts.clone()
@@ -368,26 +379,32 @@ def run_train(args: argparse.Namespace) -> int:
     stop_reason = "steps"
     bar = tqdm(total=args.steps or None, initial=step, unit="step", disable=not progress, dynamic_ncols=True,
                mininterval=1 if sys.stderr.isatty() else 30)
+    out_of_time = False
     while not args.steps or step < args.steps:
-        if time.time() >= deadline:
+        if out_of_time:
             stop_reason = "time"
             break
         made = None
         while made is None:
             made = make_batch(stream.take(args.batch_seqs), args.anchors_per_seq, args.block_size,
-                              drafter.mask_token_id, args.gamma, g, context_window(args, step))
+                              drafter.mask_token_id, args.gamma, g, context_window(args, step), args.partial_mask)
         batch, used = made
         context = batch_context(target, batch, used, layer_ids)
         res = batch_forward(drafter, target, batch, context, autocast, head)
         loss = res.loss()
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        dd.average_grads(drafter.parameters())
         gnorm = float(torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.clip))
         opt.step()
         sched.step()
         step += 1
-        # Real blocks only (dummy padding blocks carry no weight).
-        blocks_seen += int((batch.weights.view(len(used), -1, args.block_size).sum(-1) > 0).sum())
+        # Real blocks only (dummy padding blocks carry no weight), over all processes; and the
+        # deadline, decided together so that every process stops after the same step.
+        blocks, late = dd.sum_ints([int((batch.weights.view(len(used), -1, args.block_size).sum(-1) > 0).sum()),
+                                    int(time.time() >= deadline)], target.device)
+        blocks_seen += blocks
+        out_of_time = late > 0
         h, c = res.position_hits(args.block_size)
         win_hits += h
         win_counts += c
@@ -401,16 +418,16 @@ def run_train(args: argparse.Namespace) -> int:
             calib_at, calib_t = step, time.time()  # the first steps pay for warm-up (allocator, kernels)
         elif not args.steps and calib_at is not None and step == calib_at + 20:
             per_step = (time.time() - calib_t) / 20
-            total[0] = step + max(1, int((deadline - time.time()) / per_step * 0.97))
+            total[0] = dd.broadcast_int(step + max(1, int((deadline - time.time()) / per_step * 0.97)), target.device)
             bar.total = total[0]
             report["fitted_steps"] = total[0]
-            print(f"\n[train] {per_step * 1e3:.0f} ms/step: fitting the schedule to {total[0]} steps", flush=True)
+            say(f"\n[train] {per_step * 1e3:.0f} ms/step: fitting the schedule to {total[0]} steps", flush=True)
         if step % args.log_every == 0 or step == args.steps:
             rec: dict[str, Any] = {"step": step, "loss": round(run_loss / run_n, 5), "lr": sched.get_last_lr()[0],
                                    "grad_norm": round(gnorm, 4), "acc": [round(a, 4) for a in acc[1:].tolist()],
                                    "tau_est": round(expected_accepted(win_hits, win_counts), 4),
                                    "blocks_seen": blocks_seen, "elapsed_s": round(time.time() - loop_t0, 1)}
-            if held_eval and args.eval_every and step % args.eval_every == 0:
+            if held_eval and args.eval_every and step % args.eval_every == 0 and dd.main:
                 rec["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids, autocast)
             log.write(json.dumps(rec) + "\n")
             log.flush()
@@ -418,7 +435,7 @@ def run_train(args: argparse.Namespace) -> int:
             win_hits.zero_()
             win_counts.zero_()
             run_loss, run_n = 0.0, 0
-        if args.save_every and step % args.save_every == 0:
+        if args.save_every and step % args.save_every == 0 and dd.main:
             info = {**info_base, "step": step, "blocks_seen": blocks_seen, "total_steps": total[0],
                     "train_seconds": train_seconds + time.time() - loop_t0}
             save_checkpoint(out, drafter, opt, sched, info, torch.bfloat16)
@@ -429,8 +446,12 @@ def run_train(args: argparse.Namespace) -> int:
     train_seconds += loop_s
     info = {**info_base, "step": step, "blocks_seen": blocks_seen, "total_steps": total[0],
             "train_seconds": train_seconds}
-    save_checkpoint(out, drafter, opt, sched, info, torch.bfloat16)
     log.close()
+    digests = dd.weight_digests(drafter)
+    if not dd.main:
+        dd.close()
+        return 0
+    save_checkpoint(out, drafter, opt, sched, info, torch.bfloat16)
     steps_this_run = step - int(report.get("resumed_from", 0))
     report["train"] = {
         "steps": step, "steps_this_run": steps_this_run, "stop": stop_reason, "blocks_seen": blocks_seen,
@@ -439,7 +460,8 @@ def run_train(args: argparse.Namespace) -> int:
         "anchors_per_seq": args.anchors_per_seq, "block_size": args.block_size, "num_layers": args.num_layers,
         "layer_ids": layer_ids, "lr": args.lr, "init": args.init if not resumed else "resumed",
         "acc": [round(a, 4) for a in (hits.float() / counts.clamp_min(1).float())[1:].tolist()],
-        "tau_est": round(expected_accepted(hits, counts), 4),
+        "tau_est": round(expected_accepted(hits, counts), 4), "world_size": dd.world,
+        "replica_weight_digests": digests,
     }
     print(f"[train] {steps_this_run} steps in {loop_s:.0f}s (stop: {stop_reason}); checkpoint in {out}", flush=True)
 
@@ -455,6 +477,7 @@ def run_train(args: argparse.Namespace) -> int:
     report["args"] = info_base["args"]
     (out / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
     print(summary_table(report))
+    dd.close()
     return 0
 
 
@@ -522,6 +545,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--train-vocab", type=int, default=-1, metavar="K",
                    help="train against the K most frequent reply tokens only (a cheaper LM head; evaluation "
                         "and the checkpoint use the full vocabulary). -1: 8192 on CPU, full on CUDA; 0: full")
+    t.add_argument("--partial-mask", type=float, default=0.0, metavar="R",
+                   help="partial masking for multi-step denoising: each block shows a random share (up to R) "
+                        "of its positions as true tokens, without loss on them (0: off, the paper's 1-step setup)")
     t.add_argument("--lr", type=float, default=6e-4)
     t.add_argument("--min-lr-ratio", type=float, default=0.1)
     t.add_argument("--warmup", type=int, default=100)
