@@ -89,27 +89,19 @@ def load_engine(args: argparse.Namespace, draft: str | None = None) -> Engine:
 class TextStream:
     """Prints a reply as it grows, never printing what the final reply will not contain.
 
-    Events can run ahead of the final text: a DFlash block may commit tokens past
-    max_new_tokens or past EOS, and a stop string may arrive in pieces. So the stream
-    rebuilds the reply from committed ids, cut the way the engine cuts the final one, and
-    holds back a possible partial stop string or half a multi-byte character.
+    Each event's text is already cut where plain decoding stops (EOS, max_new_tokens, the token
+    that completes a stop string); the final reply also drops the stop string itself. So the
+    stream only cuts at a stop string and holds back what could be the start of one, or half a
+    multi-byte character.
     """
 
-    def __init__(self, engine: Engine, config: GenerationConfig, out: TextIO) -> None:
-        self.engine, self.config, self.out = engine, config, out
-        self.ids: list[int] = []
+    def __init__(self, config: GenerationConfig, out: TextIO) -> None:
+        self.stop, self.out = config.stop, out
         self.printed = ""
         self.holdback = max((len(s) for s in config.stop), default=1) - 1
 
-    def _visible(self) -> str:
-        ids = self.ids[: self.config.max_new_tokens]
-        eos = self.engine.target.eos_ids
-        for i, t in enumerate(ids):
-            if t in eos:
-                ids = ids[:i]
-                break
-        text = self.engine.target.decode(ids)
-        cut = min((text.index(s) for s in self.config.stop if s in text), default=None)
+    def _visible(self, text: str) -> str:
+        cut = min((text.index(s) for s in self.stop if s in text), default=None)
         if cut is not None:
             return text[:cut]
         text = text[: len(text) - self.holdback] if self.holdback else text
@@ -122,8 +114,7 @@ class TextStream:
             self.printed = text
 
     def block(self, event: BlockEvent) -> None:
-        self.ids.extend(event.committed)
-        self._emit(self._visible())
+        self._emit(self._visible(event.text))
 
     def finish(self, fin: Finished) -> None:
         self._emit(fin.text)
@@ -144,7 +135,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = generation_config(args, stop=tuple(args.stop))
     # Plain decoding never touches a drafter, so don't load (or warn about) one unless asked to.
     engine = load_engine(args, draft="none" if args.plain and args.draft is None else None)
-    stream = TextStream(engine, config, sys.stdout)
+    stream = TextStream(config, sys.stdout)
     fin = None
     for ev in engine.generate(args.prompt, config, plain=args.plain):
         if isinstance(ev, BlockEvent):

@@ -81,10 +81,7 @@ def test_generate_plain_matches_dflash_and_honours_stop(capsys: pytest.CaptureFi
     assert out == text[: text.index(stop)] + "\n"
 
 
-def test_stream_hides_tokens_beyond_max_new_tokens() -> None:
-    engine = _cached_load(None, "none", "cpu", None)
-    ids = engine.target.tokenizer("one two three four five six", add_special_tokens=False)["input_ids"]
-    cfg = GenerationConfig(max_new_tokens=3)
+def test_stream_holds_back_partial_stop_strings_and_characters() -> None:
     printed: list[str] = []
 
     class Sink:
@@ -94,12 +91,21 @@ def test_stream_hides_tokens_beyond_max_new_tokens() -> None:
         def flush(self) -> None:
             pass
 
-    stream = cli.TextStream(engine, cfg, Sink())  # type: ignore[arg-type]
-    # One DFlash block can commit more tokens than the reply may hold.
-    ev = BlockEvent(index=1, start=0, steps=[], draft=[], accepted=0, target_token=ids[-1], committed=list(ids),
-                    draft_ms=0.0, verify_ms=0.0, tokens_so_far=len(ids), text=engine.target.decode(ids))
-    stream.block(ev)
-    assert "".join(printed) == engine.target.decode(ids[:3])
+    stream = cli.TextStream(GenerationConfig(stop=("world",)), Sink())  # type: ignore[arg-type]
+
+    def block(text: str) -> None:
+        stream.block(BlockEvent(index=1, start=0, steps=[], draft=[], accepted=0, target_token=0, committed=[],
+                                draft_ms=0.0, verify_ms=0.0, tokens_so_far=0, text=text))
+
+    block("Hello wor")  # "wor" may be the start of "world": only what cannot be is printed
+    assert "".join(printed) == "Hello"
+    block("Hello world and more")
+    assert "".join(printed) == "Hello "  # cut at the stop string, never past it
+    plain = cli.TextStream(GenerationConfig(), Sink())  # type: ignore[arg-type]
+    printed.clear()
+    plain.block(BlockEvent(index=1, start=0, steps=[], draft=[], accepted=0, target_token=0, committed=[],
+                           draft_ms=0.0, verify_ms=0.0, tokens_so_far=0, text="caf\ufffd"))
+    assert "".join(printed) == "caf"  # half a multi-byte character waits for its other half
 
 
 @pytest.mark.parametrize(("argv", "message"), [
