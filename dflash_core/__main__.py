@@ -169,6 +169,16 @@ def bench_command(args: argparse.Namespace) -> str:
     return "python -m dflash_core " + shlex.join(argv)
 
 
+def _shown_path(spec: str) -> str:
+    """A drafter folder inside the working directory as a relative path: reports name no home folder."""
+    from pathlib import Path
+
+    try:
+        return str(Path(spec).resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return spec
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib.util
 
@@ -190,7 +200,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if path:
             bench.check_writable(path)
     if args.readme:
-        bench_stats.check_readme(args.readme)
+        bench_stats.check_readme(args.readme, args.prompts)
     if args.html and importlib.util.find_spec("plotly") is None:
         raise DFlashError("--html needs plotly: pip install plotly")
     engine = load_engine(args)
@@ -202,7 +212,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     summary.update({
         "prompt_set": args.prompts,
         "target": engine.target.name,
-        "draft": args.draft or default_drafter_for(args.target) or "untrained (random init)",
+        "draft": _shown_path(args.draft or default_drafter_for(args.target) or "untrained (random init)"),
         "block_size": primary.block_size,
         "steps": primary.steps,
         "temperature": config.temperature,

@@ -310,11 +310,19 @@ def replace_region(text: str, block: str, start: str = README_START, end: str = 
     return text[:i] + "\n" + block.strip("\n") + "\n" + text[j:]
 
 
-def check_readme(path: str | Path) -> None:
+def readme_markers(text: str, prompt_set: str | None) -> tuple[str, str]:
+    """A set's own region (`<!-- bench:start:gsm8k -->` ... `<!-- bench:end:gsm8k -->`) when the README
+    has one, so each prompt set keeps its table; otherwise the generic markers."""
+    start, end = f"<!-- bench:start:{prompt_set} -->", f"<!-- bench:end:{prompt_set} -->"
+    return (start, end) if prompt_set and start in text else (README_START, README_END)
+
+
+def check_readme(path: str | Path, prompt_set: str | None = None) -> None:
     """Fail before the benchmark runs, not after it."""
     path = Path(path).expanduser()
     try:
-        replace_region(path.read_text(encoding="utf-8"), "")
+        text = path.read_text(encoding="utf-8")
+        replace_region(text, "", *readme_markers(text, prompt_set))
     except OSError as e:
         raise DFlashError(f"cannot read {path}: {e.strerror or e}") from None
     except DFlashError as e:
@@ -323,8 +331,10 @@ def check_readme(path: str | Path) -> None:
 
 def write_readme(path: str | Path, summary: dict[str, Any]) -> Path:
     path = Path(path).expanduser()
-    check_readme(path)
-    return write_text_atomic(path, replace_region(path.read_text(encoding="utf-8"), markdown_table(summary)))
+    prompt_set = summary.get("prompt_set")
+    check_readme(path, prompt_set)
+    text = path.read_text(encoding="utf-8")
+    return write_text_atomic(path, replace_region(text, markdown_table(summary), *readme_markers(text, prompt_set)))
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

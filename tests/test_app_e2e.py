@@ -1,6 +1,6 @@
 """The real app, served on a free port, driven over HTTP by gradio_client.
 
-One engine (the embedded SmolLM2 target with the untrained fallback drafter) and one server
+One engine (the embedded SmolLM2 target with the shipped drafter) and one server
 serve every test here; replies stay short so the file runs in a few minutes on two cores.
 """
 

@@ -191,3 +191,14 @@ def test_write_readme(tmp_path: Path) -> None:
     with pytest.raises(DFlashError, match=r"plain\.md: expected exactly one"):
         bench_stats.write_readme(tmp_path / "plain.md", summary)
     assert (tmp_path / "plain.md").read_text() == "no markers\n"
+
+
+def test_write_readme_keeps_one_table_per_prompt_set(tmp_path: Path) -> None:
+    summary, _ = full_summary()
+    path = tmp_path / "README.md"
+    path.write_text("<!-- bench:start:gsm8k -->\nold gsm8k\n<!-- bench:end:gsm8k -->\n"
+                    "<!-- bench:start:humaneval -->\nold humaneval\n<!-- bench:end:humaneval -->\n")
+    bench_stats.write_readme(path, {**summary, "prompt_set": "gsm8k"})
+    text = path.read_text()
+    assert "old gsm8k" not in text and "old humaneval" in text  # only the set's own region changed
+    assert text.index("| `dflash-b4` |") < text.index("<!-- bench:end:gsm8k -->")

@@ -81,7 +81,7 @@ def test_send_shows_coloured_tokens_charts_and_a_finished_reply(page: Any) -> No
     tokens = page.locator("#spec-view .spec-tokens .tok")
     classes = tokens.evaluate_all("els => els.map(e => e.className)")
     kinds = {k for c in classes for k in ("tok-accepted", "tok-target", "tok-rejected") if k in c.split()}
-    # The untrained drafter is almost always wrong: target tokens and struck-out rejected drafts.
+    # The shipped drafter is weak (tau ~1.3): every short reply has target tokens and struck-out rejected drafts.
     assert {"tok-target", "tok-rejected"} <= kinds
     assert all(any(k in c.split() for k in ("tok-accepted", "tok-target", "tok-rejected")) for c in classes)
     # The legend shows all three colours, and the style sheet really colours them differently.

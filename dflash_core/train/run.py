@@ -336,7 +336,7 @@ def run_train(args: argparse.Namespace) -> int:
         report["train_vocab"] = {"size": int(head.keep.shape[0]), "coverage": round(head.coverage, 5)}
         say(f"[train] training head: {head.keep.shape[0]} most frequent tokens "
               f"({head.coverage:.2%} of reply tokens)", flush=True)
-    if held_eval and not resumed:
+    if held_eval:
         report["bigram_acc1"] = round(bigram_accuracy(train_samples, held_eval), 4)
 
     decay = [p for p in drafter.parameters() if p.dim() >= 2]
@@ -365,7 +365,11 @@ def run_train(args: argparse.Namespace) -> int:
     # Each process draws its own batches (seeded by rank too).
     stream = Stream(train_samples, args.seed + step + 1_000_003 * dd.rank)
     g = torch.Generator().manual_seed(args.seed * 7919 + step + 1_000_003 * dd.rank)
-    info_base = {"layer_ids": layer_ids, "args": {k: v for k, v in vars(args).items() if k != "func"}}
+    # Every command that shaped these weights, so a resumed run's report still names the first one.
+    commands = [*(resumed or {}).get("commands", []), sys.argv]
+    report["commands"] = commands
+    info_base = {"layer_ids": layer_ids, "args": {k: v for k, v in vars(args).items() if k != "func"},
+                 "commands": commands}
 
     # ----- (c) the loop -----
     log = (out / LOG_NAME if dd.main else Path(os.devnull)).open("a")
@@ -458,7 +462,8 @@ def run_train(args: argparse.Namespace) -> int:
         "loop_seconds": round(loop_s, 1), "train_seconds_total": round(train_seconds, 1),
         "ms_per_step": round(loop_s / max(steps_this_run, 1) * 1e3, 1), "batch_seqs": args.batch_seqs,
         "anchors_per_seq": args.anchors_per_seq, "block_size": args.block_size, "num_layers": args.num_layers,
-        "layer_ids": layer_ids, "lr": args.lr, "init": args.init if not resumed else "resumed",
+        "layer_ids": layer_ids, "lr": args.lr,
+        "init": args.init if not resumed else resumed.get("args", {}).get("init", "?"),
         "acc": [round(a, 4) for a in (hits.float() / counts.clamp_min(1).float())[1:].tolist()],
         "tau_est": round(expected_accepted(hits, counts), 4), "world_size": dd.world,
         "replica_weight_digests": digests,

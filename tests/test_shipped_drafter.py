@@ -1,0 +1,66 @@
+"""The drafter shipped in assets/drafter: it loads, fits the embedded target, is the default, and
+accepts more than an untrained drafter of the same shape (a loose floor, not a speed test)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import finish
+
+import dflash_core
+from dflash_core.config import GenerationConfig
+from dflash_core.drafter import DFlashDrafter, check_fit, init_weights, load_drafter
+from dflash_core.engine import Engine
+from dflash_core.loading import SHIPPED_DRAFTER
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Write a Python function that returns the factorial of n.",
+]
+
+
+@pytest.fixture(scope="module")
+def shipped(target) -> DFlashDrafter:
+    return load_drafter(SHIPPED_DRAFTER, device=target.device, dtype=target.dtype)
+
+
+def test_shipped_drafter_fits_and_has_a_card(shipped: DFlashDrafter, target) -> None:
+    check_fit(shipped.config, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+              num_layers=target.num_layers)
+    assert shipped.config.block_size == 16
+    report = json.loads((SHIPPED_DRAFTER / "train_report.json").read_text())
+    card = (SHIPPED_DRAFTER / "MODEL_CARD.md").read_text()
+    # The card states the run's own numbers: data size, steps, hardware.
+    assert f"{report['data']['samples']} replies" in card
+    assert f"{report['train']['steps']} optimizer steps" in card
+    assert "CPU" in card or "GPU" in card
+    # ...and the benchmark's, row for row (bench/*.json are the runs the README tables show).
+    for name in ("humaneval", "gsm8k"):
+        bench = json.loads((SHIPPED_DRAFTER.parent.parent / "bench" / f"{name}.json").read_text())["summary"]
+        b16 = bench["per_method"]["dflash-b16"]
+        assert f"| {name} | {bench['prompts']} | {bench['max_new_tokens']} | `dflash-b16` | {b16['tau']:.2f} |" in card
+        assert bench["mismatches"] == 0
+    size_mb = (SHIPPED_DRAFTER / "model.safetensors").stat().st_size / 2**20
+    assert size_mb < 64  # "tens of MB at most"
+
+
+def test_shipped_drafter_is_the_default() -> None:
+    engine = dflash_core.load(device="cpu")
+    assert engine.drafter_name == str(SHIPPED_DRAFTER)
+    assert not engine.warnings
+
+
+def test_shipped_drafter_accepts_more_than_an_untrained_one(shipped: DFlashDrafter, target) -> None:
+    untrained = init_weights(DFlashDrafter(shipped.config), seed=0).to(target.device, target.dtype).eval()
+    config = GenerationConfig(max_new_tokens=48, temperature=0.0, block_size=16)
+    committed = {}
+    outputs = {}
+    for name, drafter in (("shipped", shipped), ("untrained", untrained)):
+        engine = Engine(target, drafter)
+        fins = [finish(engine.generate(p, config)) for p in PROMPTS]
+        committed[name] = sum(f.tau * f.blocks for f in fins) / sum(f.blocks for f in fins)
+        outputs[name] = [f.token_ids for f in fins]
+    assert outputs["shipped"] == outputs["untrained"]  # exact either way: only tau differs
+    assert committed["shipped"] > committed["untrained"] + 0.1
