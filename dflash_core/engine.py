@@ -8,6 +8,7 @@ rejected tokens by moving a length.
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -61,6 +62,29 @@ class Engine:
             check_fit(drafter.config, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
                       num_layers=target.num_layers)
             drafter.to(device=target.device, dtype=target.dtype).eval()
+        self._draft_head = self._draft_vocab_head()
+
+    def _draft_vocab_head(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """(token ids, their LM-head rows, bias) when the drafter drafts from a vocabulary subset
+        (`DFLASH_DRAFT_VOCAB=0` turns it off: draft over the whole vocabulary)."""
+        vocab = None if self.drafter is None else self.drafter.draft_vocab
+        if vocab is None or os.environ.get("DFLASH_DRAFT_VOCAB", "1") == "0":
+            return None
+        head = self.target.model.get_output_embeddings()
+        vocab = vocab.to(head.weight.device)
+        bias = None if getattr(head, "bias", None) is None else head.bias[vocab]
+        return vocab, head.weight[vocab].contiguous(), bias
+
+    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 [n, V] drafter logits; -inf outside the draft vocabulary, so drafts (greedy or
+        sampled) come only from it and q is the exact distribution they were drawn from."""
+        if self._draft_head is None:
+            return self.target.lm_head(hidden).float()
+        vocab, weight, bias = self._draft_head
+        sub = torch.nn.functional.linear(hidden, weight, bias).float()
+        logits = torch.full((hidden.shape[0], self.target.vocab_size), float("-inf"), device=sub.device)
+        logits[:, vocab] = sub
+        return logits
 
     # ----- prompts -----
 
@@ -220,7 +244,7 @@ class Engine:
         for n_fixed in unmask_schedule(n, steps):
             hidden = drafter.step(target.embed(tokens[None]), start, dcache, new_context)
             new_context = None  # the context is cached after the first step
-            logits = target.lm_head(hidden[0, 1:]).float()
+            logits = self._draft_logits(hidden[0, 1:])
             if cfg.greedy:
                 probs = torch.softmax(logits, -1)
                 conf, guess = probs.max(-1)

@@ -159,6 +159,23 @@ def test_fp32_round_trip_is_exact(small_drafter: DFlashDrafter, tmp_path: Path) 
     assert torch.equal(run_train(small_drafter), run_train(loaded))
 
 
+def test_draft_vocabulary_round_trip_and_bad_files(small_drafter: DFlashDrafter, tmp_path: Path) -> None:
+    d = copy.deepcopy(small_drafter)
+    d.draft_vocab = torch.tensor([3, 7, 11])
+    d.save(tmp_path / "with")
+    assert torch.equal(load_drafter(tmp_path / "with").draft_vocab, torch.tensor([3, 7, 11]))
+    # It is not a weight file: the z-lab weights are unchanged, and a plain save has no vocabulary.
+    assert sorted(f.name for f in (tmp_path / "with").glob("*.safetensors")) == ["model.safetensors"]
+    small_drafter.save(tmp_path / "without")
+    assert load_drafter(tmp_path / "without").draft_vocab is None
+    vocab = small_drafter.config.vocab_size
+    for bad, message in (("[1, 1]", "distinct"), (f"[0, {vocab}]", "inside the vocabulary"), ("[]", "non-empty"),
+                         ("{", "not valid JSON")):
+        (tmp_path / "with" / "draft_vocab.json").write_text(bad)
+        with pytest.raises(DFlashError, match=message):
+            load_drafter(tmp_path / "with")
+
+
 def test_bf16_save_loads_close(small_drafter: DFlashDrafter, tmp_path: Path) -> None:
     small_drafter.save(tmp_path)  # bf16 is the default, as published
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:

@@ -97,6 +97,25 @@ def test_dflash_sampling_matches_target_distribution(toy_engine: Engine, cfg: Ge
     assert chi_square_p(counts, exact) > 1e-3
 
 
+def test_sampling_from_a_draft_vocabulary_stays_exact() -> None:
+    """A drafter that drafts only from a subset of tokens (q = 0 elsewhere) is still exact:
+    the residual max(0, p - q) gives the missing tokens their full probability."""
+    target = toy_target()
+    cfg_d = config_for_target(target.config, num_layers=1, block_size=3, mask_token_id=3)
+    drafter = init_weights(DFlashDrafter(cfg_d), std=0.3, seed=5)
+    drafter.draft_vocab = torch.tensor([0, 2])  # tokens 1 and 3 are never drafted
+    engine = Engine(target, drafter)
+    cfg = GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1)
+    drafted: set[int] = set()
+    for seed in range(50):
+        for ev in engine.generate(PROMPT, cfg.with_(seed=seed)):
+            drafted.update(getattr(ev, "draft", []))
+    assert drafted and drafted <= {0, 2}
+    counts, tau = sampled_counts(engine, cfg)
+    assert 1.0 < tau < 3.0
+    assert chi_square_p(counts, exact_distribution(target, cfg)) > 1e-3
+
+
 def test_wrong_acceptance_rule_is_detected(toy_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """Resampling from p (not the residual max(0, p - q)) after a rejection biases the output."""
 

@@ -64,3 +64,21 @@ def test_shipped_drafter_accepts_more_than_an_untrained_one(shipped: DFlashDraft
         outputs[name] = [f.token_ids for f in fins]
     assert outputs["shipped"] == outputs["untrained"]  # exact either way: only tau differs
     assert committed["shipped"] > committed["untrained"] + 0.1
+
+
+def test_shipped_draft_vocabulary_is_used_and_exact(shipped: DFlashDrafter, target,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert shipped.draft_vocab is not None and shipped.draft_vocab.shape == (8192,)
+    vocab = set(shipped.draft_vocab.tolist())
+    engine = Engine(target, shipped)
+    config = GenerationConfig(max_new_tokens=40, temperature=0.0, block_size=8)
+    for prompt in PROMPTS:
+        drafted: list[int] = []
+        fin = None
+        for ev in engine.generate(prompt, config):
+            drafted.extend(getattr(ev, "draft", []))
+            fin = ev
+        assert set(drafted) <= vocab  # drafts come from the draft vocabulary only...
+        assert fin.token_ids == finish(engine.generate(prompt, config, plain=True)).token_ids  # ...output is exact
+    monkeypatch.setenv("DFLASH_DRAFT_VOCAB", "0")
+    assert Engine(target, shipped)._draft_head is None  # the off switch: draft over the full vocabulary

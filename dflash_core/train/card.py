@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..drafter import CONFIG_NAME, WEIGHTS_NAME, load_drafter
+from ..drafter import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, load_drafter
 from ..errors import DFlashError
 from .run import REPORT_NAME
 
@@ -61,7 +61,9 @@ def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] =
     if "train_vocab" in report:
         tv = report["train_vocab"]
         lines.append(f"- training head: the {tv['size']} most frequent reply tokens "
-                     f"({tv['coverage']:.2%} of reply tokens); inference uses the full vocabulary")
+                     f"({tv['coverage']:.2%} of reply tokens); the drafter drafts from the same tokens "
+                     f"(`{DRAFT_VOCAB_NAME}`; engines that ignore it draft over the full vocabulary, and "
+                     "verification keeps the output exact either way)")
     lines += [
         "",
         "## Training",
@@ -103,8 +105,9 @@ def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) 
         raise DFlashError(f"{run} has no {REPORT_NAME}: is it a finished `train` run?")
     load_drafter(run)  # refuse to ship a checkpoint that does not load
     dest.mkdir(parents=True, exist_ok=True)
-    for name in (CONFIG_NAME, WEIGHTS_NAME):
-        shutil.copyfile(run / name, dest / name)
+    for name in (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME):
+        if (run / name).is_file():
+            shutil.copyfile(run / name, dest / name)
     report = json.loads(report_path.read_text())
     (dest / CARD_NAME).write_text(model_card(report, bench, notes))
     (dest / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")

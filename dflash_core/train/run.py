@@ -333,6 +333,7 @@ def run_train(args: argparse.Namespace) -> int:
         for s in train_samples:
             counts_v.index_add_(0, s.ids[s.prompt_len:], torch.ones(len(s.ids) - s.prompt_len))
         head = HeadSubset(counts_v, train_vocab)
+        drafter.draft_vocab = head.keep.clone()  # saved with the checkpoint: inference drafts from it too
         report["train_vocab"] = {"size": int(head.keep.shape[0]), "coverage": round(head.coverage, 5)}
         say(f"[train] training head: {head.keep.shape[0]} most frequent tokens "
               f"({head.coverage:.2%} of reply tokens)", flush=True)
