@@ -141,7 +141,7 @@ class HeadSubset:
     hidden size of 576), while the target's replies use a few thousand distinct tokens. Training
     against the rows of the frequent tokens only (as EAGLE-3 trains a reduced draft vocabulary)
     makes steps several times cheaper; labels outside the subset are dropped from the loss.
-    Inference and evaluation always use the full head, so the checkpoint is unchanged.
+    The checkpoint records the subset (`DFlashDrafter.draft_vocab`), and the engine drafts from it.
     """
 
     def __init__(self, token_counts: torch.Tensor, size: int) -> None:
@@ -150,10 +150,16 @@ class HeadSubset:
         self.index = torch.full((token_counts.shape[0],), -1, dtype=torch.long)
         self.index[self.keep] = torch.arange(self.keep.shape[0])
         self.coverage = float(token_counts[self.keep].sum() / token_counts.sum().clamp_min(1))
+        self._rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the head's kept rows (frozen)
 
     def logits(self, target: Any, hidden: torch.Tensor) -> torch.Tensor:
-        w = target.model.get_output_embeddings().weight
-        return hidden @ w[self.keep.to(w.device)].to(hidden.dtype).T
+        # The head is frozen: gather its kept rows once, not on every step.
+        if self._rows is None or self._rows[0].device != hidden.device or self._rows[0].dtype != hidden.dtype:
+            head = target.model.get_output_embeddings()
+            keep = self.keep.to(head.weight.device)
+            bias = None if getattr(head, "bias", None) is None else head.bias[keep].to(hidden.device, hidden.dtype)
+            self._rows = head.weight[keep].to(hidden.device, hidden.dtype), bias
+        return F.linear(hidden, *self._rows)
 
 
 def batch_forward(drafter: Any, target: Any, batch: PaddedBatch, context: torch.Tensor,
