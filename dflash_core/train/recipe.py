@@ -107,10 +107,16 @@ def block_attention_mask(anchors: list[int], block_size: int, context_len: int,
 def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: int, mask_token_id: int,
                  gamma: float | None = None, context_len: int | None = None,
                  window: int | None = None, reveal: float = 0.0,
-                 generator: torch.Generator | None = None) -> BlockBatch:
+                 generator: torch.Generator | None = None, greedy: torch.Tensor | None = None) -> BlockBatch:
     """Blocks for one sequence `ids` [L] at the given anchors.
 
     `context_len` defaults to the last anchor: features at or after it are never attended.
+    `greedy` [L] (a dataset's own answer read by the target, see `answers.py`): greedy[p] is
+    the target's choice for position p given ids[:p]. Labels then follow the target, not the
+    text: position k of a block anchored at a is labelled greedy[a+k] while the text agrees
+    with the target at a+1..a+k-1, and carries no label after the first disagreement (the
+    text is then not what the target would have read). Without it the text is the target's
+    own reply and is its own label.
     `reveal` (partial masking, for multi-step denoising): each block draws a rate r ~ U(0, reveal)
     and shows each of its positions 1..B-1 with probability r as the true token instead of the
     mask; shown positions carry no loss. A drafter trained so learns to use tokens an earlier
@@ -123,7 +129,16 @@ def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: 
         raise ValueError("no anchors")
     pos = torch.tensor(anchors, dtype=torch.long)[:, None] + torch.arange(b)[None, :]  # [N, B]
     inside = pos < seq_len
-    labels = torch.where(inside, ids[pos.clamp_max(seq_len - 1)], IGNORE)
+    at = pos.clamp_max(seq_len - 1)
+    if greedy is None:
+        labels = torch.where(inside, ids[at], IGNORE)
+    else:
+        greedy = torch.as_tensor(greedy, dtype=torch.long)
+        agree = (ids[at] == greedy[at]) & inside
+        agree[:, 0] = True  # the anchor is given: the chain starts after it
+        # Position k is exact while every earlier block position agreed: cumprod of the agreement, shifted by one.
+        chain = torch.cat([torch.ones_like(agree[:, :1]), agree[:, :-1]], dim=1).long().cumprod(1).bool()
+        labels = torch.where(inside & chain, greedy[at], IGNORE)
     labels[:, 0] = IGNORE  # the anchor is given, not predicted
     inp = torch.full_like(pos, mask_token_id)
     inp[:, 0] = ids[pos[:, 0]]

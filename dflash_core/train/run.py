@@ -37,7 +37,7 @@ from .batch import HeadSubset, PaddedBatch, batch_forward, cached_features, coll
 from .data import generate_into, iter_samples, shard_paths
 from .dist import init_dist
 from .drafter_init import build_drafter
-from .features import build_features, load_feature_file
+from .features import build_features, cache_dir, load_feature_file
 from .recipe import bigram_accuracy, expected_accepted, lr_factor, sample_anchors
 
 STATE_NAME = "train_state.pt"
@@ -51,11 +51,13 @@ class Sample:
     ids: torch.Tensor  # [L] prompt + response
     prompt_len: int
     feats: torch.Tensor | None = None  # cached target features [L, F] (cache mode only)
+    greedy: torch.Tensor | None = None  # [L] target's choices, for dataset answers (see answers.py)
 
 
 def is_heldout(sample_id: str, percent: float) -> bool:
     """A stable split by id: the same samples stay held out as the data folder grows or moves."""
-    h = int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:4], "big") / 2**32
+    # By prompt: a regenerated reply and the dataset's answer to the same prompt share a side.
+    h = int.from_bytes(hashlib.sha256(sample_id.split("#")[0].encode()).digest()[:4], "big") / 2**32
     return h * 100 < percent
 
 
@@ -68,8 +70,12 @@ def load_samples(folders: list[Path]) -> list[Sample]:
             if s["id"] in seen or len(s["response_ids"]) < 2:
                 continue
             seen.add(s["id"])
-            out.append(Sample(s["id"], torch.tensor(s["prompt_ids"] + s["response_ids"], dtype=torch.long),
-                              len(s["prompt_ids"])))
+            ids = torch.tensor(s["prompt_ids"] + s["response_ids"], dtype=torch.long)
+            greedy = None
+            if "greedy_ids" in s:
+                greedy = ids.clone()  # entries before the response are never read (anchors are in it)
+                greedy[len(s["prompt_ids"]):] = torch.tensor(s["greedy_ids"], dtype=torch.long)
+            out.append(Sample(s["id"], ids, len(s["prompt_ids"]), greedy=greedy))
     return out
 
 
@@ -78,9 +84,7 @@ def attach_cached_features(target: Any, samples: list[Sample], folders: list[Pat
     """Cache mode: build (or reuse) the per-shard feature files, then hang features on samples."""
     by_id = {s.id: s for s in samples}
     for folder in folders:
-        key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:10]
-        dest = cache_root / f"{folder.name}-{key}"
-        for f in build_features(target, folder, dest, layer_ids, progress=progress):
+        for f in build_features(target, folder, cache_dir(cache_root, folder), layer_ids, progress=progress):
             for seq in load_feature_file(f):
                 s = by_id.get(seq.id)
                 if s is not None and s.feats is None and torch.equal(seq.ids, s.ids):
@@ -127,7 +131,7 @@ def make_batch(samples: list[Sample], anchors_per_seq: int, block_size: int, mas
     for s in samples:
         anchors = sample_anchors(s.prompt_len, len(s.ids), anchors_per_seq, g)
         if anchors:
-            rows.append((s.ids, anchors))
+            rows.append((s.ids, anchors, s.greedy))
             used.append(s)
     if not rows:
         return None
@@ -291,6 +295,7 @@ def run_train(args: argparse.Namespace) -> int:
     report["data"] = {"folders": [str(f) for f in folders], "samples": len(samples),
                       "reply_tokens": reply_tokens, "tokens": sum(len(s.ids) for s in samples),
                       "train_samples": len(train_samples), "heldout_samples": len(held),
+                      "answer_samples": sum(s.greedy is not None for s in samples),
                       "shards": sum(len(shard_paths(f)) for f in folders if f.exists()), "generated": gen_stats}
     say(f"[train] data: {len(samples)} samples ({reply_tokens} reply tokens), {len(held)} held out", flush=True)
 
@@ -315,7 +320,8 @@ def run_train(args: argparse.Namespace) -> int:
                                 mask_token_id=args.mask_token_id, init=args.init, fc_init=args.fc_init,
                                 seed=args.seed)
     drafter = drafter.to(target.device, torch.float32).train()  # fp32 master weights; autocast for speed
-    held_eval = held[: args.eval_seqs]
+    # Held-out accuracy on the target's own replies where there are some: what inference sees.
+    held_eval = ([s for s in held if s.greedy is None] or held)[: args.eval_seqs]
     if features_mode == "cache":
         t0 = time.time()
         if not dd.main:
@@ -330,8 +336,9 @@ def run_train(args: argparse.Namespace) -> int:
     train_vocab = args.train_vocab if args.train_vocab >= 0 else (0 if on_cuda else 8192)
     if train_vocab:
         counts_v = torch.zeros(target.vocab_size)
-        for s in train_samples:
-            counts_v.index_add_(0, s.ids[s.prompt_len:], torch.ones(len(s.ids) - s.prompt_len))
+        for s in train_samples:  # the labels' tokens: the target's choices where the text is not its own
+            src = s.ids if s.greedy is None else s.greedy
+            counts_v.index_add_(0, src[s.prompt_len:], torch.ones(len(s.ids) - s.prompt_len))
         head = HeadSubset(counts_v, train_vocab)
         drafter.draft_vocab = head.keep.clone()  # saved with the checkpoint: inference drafts from it too
         report["train_vocab"] = {"size": int(head.keep.shape[0]), "coverage": round(head.coverage, 5)}
