@@ -80,6 +80,16 @@ def test_build_drafter_inits(target) -> None:
         build_drafter(target, LAYERS, fc_init="zeros")
 
 
+def test_warm_start_from_an_earlier_drafter(target, tmp_path: Path) -> None:
+    old = build_drafter(target, LAYERS, num_layers=1, block_size=8, seed=3)
+    old.save(tmp_path / "old", dtype=torch.float32)
+    new = build_drafter(target, LAYERS, num_layers=1, block_size=8, seed=4, init=f"from:{tmp_path / 'old'}")
+    for k, v in old.state_dict().items():
+        assert torch.equal(new.state_dict()[k], v), k
+    with pytest.raises(ValueError, match="block_size 8 \\(want 16\\)"):
+        build_drafter(target, LAYERS, num_layers=1, block_size=16, init=f"from:{tmp_path / 'old'}")
+
+
 def test_bigram_accuracy() -> None:
     def seq(ids: list[int], p: int) -> Sequence:
         return Sequence(id="x", ids=torch.tensor(ids), prompt_len=p, feats=torch.zeros(len(ids), 1))

@@ -1,13 +1,16 @@
 """A fresh drafter for a target: shaped like the target's layers, initialised as asked.
 
-`init`: "random" (small normal weights), "target-last" (copies of the target's last layers) or
-"target:i,j" (copies of the target's layers i, j); `fc_init` "mean" starts `fc` as the mean of
+`init`: "random" (small normal weights), "target-last" (copies of the target's last layers),
+"target:i,j" (copies of the target's layers i, j) or "from:DIR" (a warm start from an earlier
+drafter of the same shape: its fp32 `train_state.pt` when DIR is a training run, else its
+checkpoint); `fc_init` "mean" starts `fc` as the mean of
 the concatenated target layers instead of random. Which of these trains fastest is measured,
 not assumed: see the README's training section.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +36,32 @@ def init_from_target(drafter: DFlashDrafter, target_model: Any, layer_ids: list[
                     raise ValueError(f"target layer {i} has no {name}")
 
 
+def warm_start(drafter: DFlashDrafter, folder: Path) -> None:
+    """Load an earlier drafter's weights; its shape and target layers must be the new one's."""
+    from ..drafter import load_drafter
+
+    src = load_drafter(folder)
+    # The saved dtype is how the weights were exported, not the drafter's shape.
+    have, want = ({k: v for k, v in _flat(c.to_dict()).items() if not k.endswith("dtype")}
+                  for c in (src.config, drafter.config))
+    if have != want:
+        diff = ", ".join(f"{k} {have.get(k)} (want {want.get(k)})" for k in sorted(set(have) | set(want))
+                         if have.get(k) != want.get(k))
+        raise ValueError(f"--init from:{folder}: a different drafter shape: {diff}")
+    state = src.state_dict()
+    run_state = folder / "train_state.pt"
+    if run_state.is_file():  # fp32 master weights beat the bf16 export
+        state = torch.load(run_state, map_location="cpu", weights_only=False)["model"]
+    drafter.load_state_dict(state)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def build_drafter(target: Any, layer_ids: list[int], *, num_layers: int = 2, block_size: int = 16,
                   mask_token_id: int = 0, init: str = "random", fc_init: str = "random",
                   seed: int = 0) -> DFlashDrafter:
@@ -44,8 +73,10 @@ def build_drafter(target: Any, layer_ids: list[int], *, num_layers: int = 2, blo
         init_from_target(drafter, target.model, list(range(target.num_layers - num_layers, target.num_layers)))
     elif init.startswith("target:"):
         init_from_target(drafter, target.model, [int(x) for x in init.split(":", 1)[1].split(",")])
+    elif init.startswith("from:"):
+        warm_start(drafter, Path(init.split(":", 1)[1]))
     elif init != "random":
-        raise ValueError(f"unknown init {init!r} (random, target-last or target:i,j)")
+        raise ValueError(f"unknown init {init!r} (random, target-last, target:i,j or from:DIR)")
     if fc_init == "mean":
         n, h = len(layer_ids), cfg.hidden_size
         with torch.no_grad():

@@ -571,7 +571,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--block-size", type=int, default=16)
     t.add_argument("--target-layers", default="", metavar="I,J", help="target layers for context (default: spread)")
     t.add_argument("--mask-token-id", type=int, default=0, help="0 = <|endoftext|> for SmolLM2")
-    t.add_argument("--init", default="random", help="random, target-last, or target:i,j")
+    t.add_argument("--init", default="random", help="random, target-last, target:i,j, or from:DIR (warm start)")
     t.add_argument("--fc-init", default="random", choices=["random", "mean"])
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--log-every", type=int, default=20)
