@@ -200,7 +200,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if path:
             bench.check_writable(path)
     if args.readme:
-        bench_stats.check_readme(args.readme, args.prompts)
+        bench_stats.check_readme(args.readme, bench_stats.region_name(args.prompts, args.temperature))
     if args.html and importlib.util.find_spec("plotly") is None:
         raise DFlashError("--html needs plotly: pip install plotly")
     engine = load_engine(args)

@@ -247,7 +247,10 @@ def legend(summary: dict[str, Any]) -> list[str]:
         "draft/verify ms = engine-timed mean per draft block (plain: verify = t1, ms per token)",
         "bound = tau·t1/(t_verify+t_draft); achieved = speed-up vs plain / bound (below 100%: host overhead "
         "and prefill; above: the same overhead weighs more on plain's shorter steps)",
-        f"exact = prompts whose token ids equal {base}'s",
+        f"exact = prompts whose token ids equal {base}'s" + (
+            "" if not summary.get("temperature") else
+            " (sampling: every method draws its own random tokens, so outputs differ by design; that the "
+            "speculative ones follow the target's distribution is checked by tests/test_sampling_distribution.py)"),
     ]
 
 
@@ -310,19 +313,27 @@ def replace_region(text: str, block: str, start: str = README_START, end: str = 
     return text[:i] + "\n" + block.strip("\n") + "\n" + text[j:]
 
 
-def readme_markers(text: str, prompt_set: str | None) -> tuple[str, str]:
-    """A set's own region (`<!-- bench:start:gsm8k -->` ... `<!-- bench:end:gsm8k -->`) when the README
+def region_name(prompt_set: str | None, temperature: float = 0.0) -> str | None:
+    """The README region of a run: the prompt set, plus `-tT` when sampling (`gsm8k-t1`), so a
+    sampled run never overwrites the greedy table of the same set."""
+    if not prompt_set:
+        return None
+    return prompt_set if not temperature else f"{prompt_set}-t{temperature:g}"
+
+
+def readme_markers(text: str, region: str | None) -> tuple[str, str]:
+    """A region of its own (`<!-- bench:start:gsm8k -->` ... `<!-- bench:end:gsm8k -->`) when the README
     has one, so each prompt set keeps its table; otherwise the generic markers."""
-    start, end = f"<!-- bench:start:{prompt_set} -->", f"<!-- bench:end:{prompt_set} -->"
-    return (start, end) if prompt_set and start in text else (README_START, README_END)
+    start, end = f"<!-- bench:start:{region} -->", f"<!-- bench:end:{region} -->"
+    return (start, end) if region and start in text else (README_START, README_END)
 
 
-def check_readme(path: str | Path, prompt_set: str | None = None) -> None:
+def check_readme(path: str | Path, region: str | None = None) -> None:
     """Fail before the benchmark runs, not after it."""
     path = Path(path).expanduser()
     try:
         text = path.read_text(encoding="utf-8")
-        replace_region(text, "", *readme_markers(text, prompt_set))
+        replace_region(text, "", *readme_markers(text, region))
     except OSError as e:
         raise DFlashError(f"cannot read {path}: {e.strerror or e}") from None
     except DFlashError as e:
@@ -331,10 +342,10 @@ def check_readme(path: str | Path, prompt_set: str | None = None) -> None:
 
 def write_readme(path: str | Path, summary: dict[str, Any]) -> Path:
     path = Path(path).expanduser()
-    prompt_set = summary.get("prompt_set")
-    check_readme(path, prompt_set)
+    region = region_name(summary.get("prompt_set"), summary.get("temperature") or 0.0)
+    check_readme(path, region)
     text = path.read_text(encoding="utf-8")
-    return write_text_atomic(path, replace_region(text, markdown_table(summary), *readme_markers(text, prompt_set)))
+    return write_text_atomic(path, replace_region(text, markdown_table(summary), *readme_markers(text, region)))
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

@@ -202,3 +202,15 @@ def test_write_readme_keeps_one_table_per_prompt_set(tmp_path: Path) -> None:
     text = path.read_text()
     assert "old gsm8k" not in text and "old humaneval" in text  # only the set's own region changed
     assert text.index("| `dflash-b4` |") < text.index("<!-- bench:end:gsm8k -->")
+
+
+def test_write_readme_keeps_sampled_runs_apart(tmp_path: Path) -> None:
+    summary, _ = full_summary()
+    path = tmp_path / "README.md"
+    path.write_text("<!-- bench:start:gsm8k -->\nold greedy\n<!-- bench:end:gsm8k -->\n"
+                    "<!-- bench:start:gsm8k-t1 -->\nold sampled\n<!-- bench:end:gsm8k-t1 -->\n")
+    bench_stats.write_readme(path, {**summary, "prompt_set": "gsm8k", "temperature": 1.0})
+    text = path.read_text()
+    assert "old greedy" in text and "old sampled" not in text
+    assert text.index("<!-- bench:start:gsm8k-t1 -->") < text.index("| `dflash-b4` |")
+    assert bench_stats.region_name("gsm8k", 0.0) == "gsm8k" and bench_stats.region_name("x", 0.7) == "x-t0.7"
