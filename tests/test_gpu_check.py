@@ -16,7 +16,8 @@ def test_script_parses_and_documents_its_calls() -> None:
     subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
     header = SCRIPT.read_text()
     assert 'run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/a"]' in header
-    assert 'run(command="bash scripts/gpu_check.sh", carry=[".gpu/b"]' in header
+    assert 'run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/b"]' in header
+    assert 'run(command="bash scripts/gpu_check.sh", carry=[".gpu/c"]' in header
     done = subprocess.run(["bash", str(SCRIPT), "--bogus"], capture_output=True, text=True)
     assert done.returncode == 2 and "usage" in done.stderr
 

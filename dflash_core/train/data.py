@@ -481,7 +481,7 @@ def main(argv: Iterable[str] | None = None) -> None:
     p = sub.add_parser("prompts", help="load and filter prompts, print the counts")
     p.add_argument("--source", default="sharegpt")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="", help="also write them to this JSONL(.gz) of {id, prompt}: a small, "
+    p.add_argument("--out", default="", help="also write them to this JSONL(.gz) of {id, prompt, answer}: a small, "
                    "already filtered source for a machine without the ShareGPT package (a GPU lease)")
     args = ap.parse_args(list(argv) if argv is not None else None)
     if args.cmd == "generate":
@@ -491,7 +491,8 @@ def main(argv: Iterable[str] | None = None) -> None:
         prompts = load_prompts(args.source, seed=args.seed, stats=stats)
         print(json.dumps(stats))
         if args.out:
-            lines = "".join(json.dumps({"id": q.id, "prompt": q.text}) + "\n" for q in prompts).encode()
+            lines = "".join(json.dumps({"id": q.id, "prompt": q.text, **({"answer": q.answer} if q.answer else {})})
+                            + "\n" for q in prompts).encode()
             write_atomic(Path(args.out), gzip.compress(lines, 9, mtime=0) if args.out.endswith(".gz") else lines)
             print(f"wrote {len(prompts)} prompts to {args.out}")
         for q in prompts[:5]:
