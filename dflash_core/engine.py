@@ -70,10 +70,8 @@ class Engine:
         vocab = None if self.drafter is None else self.drafter.draft_vocab
         if vocab is None or os.environ.get("DFLASH_DRAFT_VOCAB", "1") == "0":
             return None
-        head = self.target.model.get_output_embeddings()
-        vocab = vocab.to(head.weight.device)
-        bias = None if getattr(head, "bias", None) is None else head.bias[vocab]
-        return vocab, head.weight[vocab].contiguous(), bias
+        weight, bias = self.target.lm_head_rows(vocab)
+        return vocab.to(weight.device), weight, bias
 
     def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 [n, V] drafter logits; -inf outside the draft vocabulary, so drafts (greedy or

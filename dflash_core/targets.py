@@ -180,6 +180,14 @@ class Target:
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
 
+    def lm_head_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The LM head's weight rows and bias for token `ids`: `F.linear(hidden, *rows)` is the
+        logits over that vocabulary subset (a draft vocabulary, a training head)."""
+        head = self.model.get_output_embeddings()
+        ids = ids.to(head.weight.device)
+        bias = None if getattr(head, "bias", None) is None else head.bias[ids]
+        return head.weight[ids].contiguous(), bias
+
     @torch.inference_mode()
     def forward(
         self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None = None,

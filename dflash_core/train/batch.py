@@ -160,10 +160,9 @@ class HeadSubset:
     def logits(self, target: Any, hidden: torch.Tensor) -> torch.Tensor:
         # The head is frozen: gather its kept rows once, not on every step.
         if self._rows is None or self._rows[0].device != hidden.device or self._rows[0].dtype != hidden.dtype:
-            head = target.model.get_output_embeddings()
-            keep = self.keep.to(head.weight.device)
-            bias = None if getattr(head, "bias", None) is None else head.bias[keep].to(hidden.device, hidden.dtype)
-            self._rows = head.weight[keep].to(hidden.device, hidden.dtype), bias
+            weight, bias = target.lm_head_rows(self.keep)
+            self._rows = (weight.to(hidden.device, hidden.dtype),
+                          None if bias is None else bias.to(hidden.device, hidden.dtype))
         return F.linear(hidden, *self._rows)
 
 
