@@ -161,6 +161,7 @@ def test_head_subset_is_the_full_head_restricted(target) -> None:
     counts = torch.zeros(target.vocab_size)
     counts.index_add_(0, torch.cat(seqs), torch.ones(73))
     head = HeadSubset(counts, 30)  # fewer than the ~60 distinct tokens: some labels fall outside
+    assert torch.equal(HeadSubset.from_replies(seqs, target.vocab_size, 30).keep, head.keep)
     assert head.keep.shape[0] == 30 and 0 < head.coverage < 1
     assert counts[head.keep].min() >= counts[counts > 0].sort(descending=True).values[29]
     feats = context_features(target, batch.ids, cfg.target_layer_ids)

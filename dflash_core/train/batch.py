@@ -157,6 +157,14 @@ class HeadSubset:
         self.coverage = float(token_counts[self.keep].sum() / token_counts.sum().clamp_min(1))
         self._rows: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the head's kept rows (frozen)
 
+    @classmethod
+    def from_replies(cls, replies: list[torch.Tensor], vocab_size: int, size: int) -> HeadSubset:
+        """The `size` most frequent tokens of these replies (token id tensors)."""
+        counts = torch.zeros(vocab_size)
+        for r in replies:
+            counts.index_add_(0, r, torch.ones(r.shape[0]))
+        return cls(counts, size)
+
     def logits(self, target: Any, hidden: torch.Tensor) -> torch.Tensor:
         # The head is frozen: gather its kept rows once, not on every step.
         if self._rows is None or self._rows[0].device != hidden.device or self._rows[0].dtype != hidden.dtype:

@@ -53,6 +53,12 @@ class Sample:
     feats: torch.Tensor | None = None  # cached target features [L, F] (cache mode only)
     greedy: torch.Tensor | None = None  # [L] target's choices, for dataset answers (see answers.py)
 
+    @property
+    def label_tokens(self) -> torch.Tensor:
+        """The reply tokens training learns to predict: the target's choices where the text is
+        not the target's own."""
+        return (self.ids if self.greedy is None else self.greedy)[self.prompt_len:]
+
 
 def is_heldout(sample_id: str, percent: float) -> bool:
     """A stable split by id: the same samples stay held out as the data folder grows or moves."""
@@ -335,11 +341,7 @@ def run_train(args: argparse.Namespace) -> int:
     head = None
     train_vocab = args.train_vocab if args.train_vocab >= 0 else (0 if on_cuda else 8192)
     if train_vocab:
-        counts_v = torch.zeros(target.vocab_size)
-        for s in train_samples:  # the labels' tokens: the target's choices where the text is not its own
-            src = s.ids if s.greedy is None else s.greedy
-            counts_v.index_add_(0, src[s.prompt_len:], torch.ones(len(s.ids) - s.prompt_len))
-        head = HeadSubset(counts_v, train_vocab)
+        head = HeadSubset.from_replies([s.label_tokens for s in train_samples], target.vocab_size, train_vocab)
         drafter.draft_vocab = head.keep.clone()  # saved with the checkpoint: inference drafts from it too
         report["train_vocab"] = {"size": int(head.keep.shape[0]), "coverage": round(head.coverage, 5)}
         say(f"[train] training head: {head.keep.shape[0]} most frequent tokens "
