@@ -94,3 +94,23 @@ def test_answers_cli_writes_resumable_shards_and_reusable_features(tmp_path: Pat
     for s in samples:
         assert s.greedy is not None and s.greedy[s.prompt_len:].tolist() == by_id[s.id]["greedy_ids"]
     assert is_heldout("abc" + ID_SUFFIX, 50) == is_heldout("abc", 50)
+
+
+def test_train_on_answers_learns_the_targets_choices(tmp_path: Path, target) -> None:
+    from dflash_core.__main__ import main as cli
+
+    src = tmp_path / "qa.jsonl"
+    rows = [{"id": "a", "prompt": "Say hi in French.", "answer": "Salut ! Comment vas-tu aujourd'hui, mon ami ?"},
+            {"id": "b", "prompt": "Name a colour.", "answer": "Turquoise, like a tropical lagoon at noon."}]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main(["--out", str(tmp_path / "answers"), "--source", str(src)])
+    samples = list(iter_samples(tmp_path / "answers"))
+    assert cli(["train", "--data", str(tmp_path / "answers"), "--out", str(tmp_path / "run"), "--steps", "4",
+                "--batch-seqs", "2", "--anchors-per-seq", "4", "--num-layers", "1", "--block-size", "8",
+                "--holdout-percent", "0", "--threads", "2", "--no-progress", "--eval-prompts", "none"]) == 0
+    report = json.loads((tmp_path / "run" / "train_report.json").read_text())
+    assert report["data"]["answer_samples"] == 2 and report["train"]["steps"] == 4
+    # The training head is built from what training predicts: the target's choices, not the text.
+    chosen = {t for s in samples for t in s["greedy_ids"]}
+    assert chosen != {t for s in samples for t in s["response_ids"]}
+    assert report["train_vocab"]["size"] == len(chosen)
