@@ -33,7 +33,9 @@ def test_shipped_drafter_fits_and_has_a_card(shipped: DFlashDrafter, target) -> 
     report = json.loads((SHIPPED_DRAFTER / "train_report.json").read_text())
     card = (SHIPPED_DRAFTER / "MODEL_CARD.md").read_text()
     # The card states the run's own numbers: data size, steps, hardware.
-    assert f"{report['data']['samples']} replies" in card
+    answers = report["data"].get("answer_samples", 0)
+    assert f"{report['data']['samples'] - answers} replies" in card
+    assert not answers or f"{answers} ShareGPT answers" in card
     assert f"{report['train']['steps']} optimizer steps" in card
     assert "CPU" in card or "GPU" in card
     # ...and the benchmark's, row for row (bench/*.json are the runs the README tables show).

@@ -302,6 +302,7 @@ def run_train(args: argparse.Namespace) -> int:
                       "reply_tokens": reply_tokens, "tokens": sum(len(s.ids) for s in samples),
                       "train_samples": len(train_samples), "heldout_samples": len(held),
                       "answer_samples": sum(s.greedy is not None for s in samples),
+                      "answer_tokens": sum(len(s.ids) - s.prompt_len for s in samples if s.greedy is not None),
                       "shards": sum(len(shard_paths(f)) for f in folders if f.exists()), "generated": gen_stats}
     say(f"[train] data: {len(samples)} samples ({reply_tokens} reply tokens), {len(held)} held out", flush=True)
 
