@@ -201,8 +201,8 @@ class Engine:
                 new = written[: acc + 1]
                 n_committed += acc + 1
             else:
-                acc, tok = (int(v) for v in torch.stack([acc_t, tok_t]).tolist())  # the block's one sync
-                new = [*draft.tokens[:acc].tolist(), tok]
+                acc, tok, *drafted = torch.cat([acc_t[None], tok_t[None], draft.tokens]).tolist()  # one sync
+                new = [*drafted[:acc], tok]
             t3 = time.perf_counter()
             tcache.truncate(start + acc + 1)
             pending = feats[None, : acc + 1]
