@@ -60,7 +60,9 @@ def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] =
            f"({d.get('answer_tokens', 0)} answer tokens; a block's labels follow the target's argmax until the "
            "answer's text leaves it, see `dflash_core/train/answers.py`)" if n_ans else "")
         + f"; {d['tokens']} tokens with prompts; prompts that occur in HumanEval or GSM8K were removed first",
-        f"- {d['heldout_samples']} held out (by id hash) for the held-out accuracy below",
+        f"- {d['heldout_samples']} held out (by prompt, id hash)"
+        + (f"; the held-out accuracy below is measured on {report['heldout']['samples']} of them"
+           if "heldout" in report else ""),
     ]
     if "train_vocab" in report:
         tv = report["train_vocab"]
