@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .data import EvalFilter, Prompt, encode_shard, load_prompts, shard_paths, write_atomic
+from .data import EvalFilter, Prompt, encode_shard, load_prompts, shard_paths, write_atomic, write_manifest
 from .data import done_ids as _done_ids
 from .features import cache_dir, feature_name, sequence_features, write_feature_file
 
@@ -70,6 +70,13 @@ def agreement(samples: list[dict[str, Any]]) -> float:
     return hit / max(1, sum(len(s["response_ids"]) for s in samples))
 
 
+FIELDS = ("id", "prompt_ids", "response_ids", "greedy_ids")
+
+
+def _summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"agreement": round(agreement(samples), 4)}
+
+
 def label_into(target: Any, out: str | Path, *, source: str = "sharegpt", limit: int = 0, shard_size: int = 64,
                max_prompt_tokens: int = 384, max_answer_tokens: int = 256, seed: int = 0,
                features_cache: str | Path | None = None, layer_ids: list[int] | None = None,
@@ -83,6 +90,8 @@ def label_into(target: Any, out: str | Path, *, source: str = "sharegpt", limit:
     if features_cache is not None and not layer_ids:
         raise ValueError("--features-cache needs the target layer ids")
     stats: dict[str, int] = {}
+    settings = {"target": target.name, "source": source, "kind": "dataset answers, teacher-forced", "seed": seed,
+                "max_prompt_tokens": max_prompt_tokens, "max_answer_tokens": max_answer_tokens}
     prompts = load_prompts(source, seed=seed, stats=stats)
     filt = EvalFilter.default()
     done = _done_ids(out)
@@ -126,31 +135,10 @@ def label_into(target: Any, out: str | Path, *, source: str = "sharegpt", limit:
         last = time.time() - ts
         bar.update(len(samples))
         bar.set_postfix(tok_s=f"{tokens / (time.time() - t0):.0f}", agree=f"{agreement(samples):.2f}")
-        _write_manifest(out, target, stats, max_prompt_tokens, max_answer_tokens, seed, source)
+        write_manifest(out, settings, stats, FIELDS, _summary)
     bar.close()
-    _write_manifest(out, target, stats, max_prompt_tokens, max_answer_tokens, seed, source)
+    write_manifest(out, settings, stats, FIELDS, _summary)
     return {"made": made, "answer_tokens": tokens, "seconds": round(time.time() - t0, 1)}
-
-
-def _write_manifest(out: Path, target: Any, stats: dict[str, int], max_prompt_tokens: int, max_answer_tokens: int,
-                    seed: int, source: str) -> None:
-    from .data import read_shard
-
-    shards, samples = [], []
-    for path in shard_paths(out):
-        got = read_shard(path)
-        samples += got
-        shards.append({"file": path.name, "samples": len(got),
-                       "response_tokens": sum(len(s["response_ids"]) for s in got)})
-    manifest = {
-        "format": 1, "fields": ["id", "prompt_ids", "response_ids", "greedy_ids"],
-        "settings": {"target": target.name, "source": source, "kind": "dataset answers, teacher-forced",
-                     "seed": seed, "max_prompt_tokens": max_prompt_tokens, "max_answer_tokens": max_answer_tokens},
-        "prompt_filter": stats, "samples": len(samples),
-        "response_tokens": sum(s["response_tokens"] for s in shards),
-        "agreement": round(agreement(samples), 4), "shards": shards,
-    }
-    write_atomic(out / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,7 +24,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,19 +259,26 @@ def done_ids(folder: Path) -> set[str]:
     return {s["id"] for s in iter_samples(folder)}
 
 
-def write_manifest(folder: Path, settings: dict[str, Any], stats: dict[str, int]) -> None:
+def write_manifest(folder: Path, settings: dict[str, Any], stats: dict[str, int],
+                   fields: Sequence[str] = ("id", "prompt_ids", "response_ids", "temperature"),
+                   summary: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None) -> None:
+    """`manifest.json` from the shards on disk; `summary` adds keys computed over all samples."""
     shards = []
+    everything: list[dict[str, Any]] = []
     for path in shard_paths(folder):
         samples = read_shard(path)
         shards.append({"file": path.name, "samples": len(samples),
                        "response_tokens": sum(len(s["response_ids"]) for s in samples)})
+        if summary is not None:
+            everything += samples
     manifest = {
         "format": FORMAT_VERSION,
-        "fields": ["id", "prompt_ids", "response_ids", "temperature"],
+        "fields": list(fields),
         "settings": settings,
         "prompt_filter": stats,
         "samples": sum(s["samples"] for s in shards),
         "response_tokens": sum(s["response_tokens"] for s in shards),
+        **(summary(everything) if summary is not None else {}),
         "shards": shards,
     }
     write_atomic(folder / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
