@@ -73,22 +73,29 @@ def heatmap_figure(ev: BlockEvent | None, step_texts: Sequence[Sequence[str]] | 
     # The verdict row: which positions the target kept, and where its own token went.
     acc = ev.accepted
     kept = [str(i + 1) for i in range(acc)]
-    lost = [str(i + 1) for i in range(acc + 1, n)]  # position acc+1 holds the target's token instead
+    lost = [str(i + 1) for i in range(acc + 1, ev.checked)]  # position acc+1 holds the target's token instead
+    unchecked = [str(i + 1) for i in range(max(ev.checked, acc + 1), n)]
     fig.add_trace(go.Scatter(x=kept, y=["target"] * len(kept), mode="markers", name="accepted",
                              marker={"symbol": "circle", "size": 12, "color": COLORS["accepted"]},
                              hovertemplate="pos %{x}: accepted<extra></extra>"))
     fig.add_trace(go.Scatter(x=lost, y=["target"] * len(lost), mode="markers", name="rejected",
                              marker={"symbol": "x", "size": 10, "color": COLORS["rejected"]},
                              hovertemplate="pos %{x}: rejected<extra></extra>"))
+    if unchecked:
+        fig.add_trace(go.Scatter(x=unchecked, y=["target"] * len(unchecked), mode="markers", name="not verified",
+                                 marker={"symbol": "circle-open", "size": 9, "color": COLORS["plain"]},
+                                 hovertemplate="pos %{x}: not verified (adaptive verify length)<extra></extra>"))
     target_text = ev.committed_text[-1] if ev.committed_text else str(ev.target_token)
-    kind = "bonus" if acc == n else "correction"
+    kind = "bonus" if acc == ev.checked else "correction"
     fig.add_trace(go.Scatter(x=[str(acc + 1)], y=["target"], mode="markers+text", name=f"target {kind}",
                              text=[_cell(target_text)], textposition="top center",
                              marker={"symbol": "diamond", "size": 13, "color": COLORS["target"]},
                              hovertemplate=f"pos %{{x}}: target {kind}<extra></extra>"))
     fig.update_yaxes(autorange="reversed", type="category", categoryorder="array", categoryarray=[*ys, "target"])
     fig.update_xaxes(title_text="position in block", type="category")
-    title = f"Denoising · block {ev.index} · {acc}/{n} drafts accepted"
+    title = f"Denoising · block {ev.index} · {acc}/{ev.checked} drafts accepted"
+    if ev.checked < n:
+        title += f" ({n} drafted)"
     return _layout(fig, title, "heatmap")
 
 
@@ -110,6 +117,9 @@ def acceptance_figure(stats: RunStats) -> go.Figure:
                              line={"dash": "dash", "color": COLORS["plain"]}))
     fig.add_trace(go.Scatter(x=xs, y=running, mode="lines+markers", name="running τ",
                              line={"color": COLORS["tau"]}, marker={"size": 4}))
+    if any(b.verified != b.block_size for b in blocks):  # the adaptive verify length was at work
+        fig.add_trace(go.Scatter(x=xs, y=[b.verified for b in blocks], mode="lines", name="verified",
+                                 line={"dash": "dot", "color": COLORS["target"]}, line_shape="hv"))
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="block")
     fig.update_yaxes(title_text="tokens", rangemode="tozero")

@@ -116,10 +116,12 @@ def block_html(ev: BlockEvent, keep: int | None = None, texts: Sequence[str] | N
     if ev.is_draft_block:
         for i in range(ev.accepted):
             spans.append(committed(i, ACCEPTED, _draft_title(ev, i, "accepted")))
-        for i in range(ev.accepted, len(ev.draft)):
+        for i in range(ev.accepted, ev.checked):
             spans.append(_span(_text_of(ev.draft_text, i), REJECTED, _draft_title(ev, i, "rejected")))
-        kind = "bonus (all drafts accepted)" if ev.accepted == len(ev.draft) else "correction"
-        title = f"block {ev.index} · pos {ev.accepted + 1}/{len(ev.draft)} · target {kind}"
+        kind = "bonus (all verified drafts accepted)" if ev.accepted == ev.checked else "correction"
+        title = f"block {ev.index} · pos {ev.accepted + 1}/{ev.checked} · target {kind}"
+        if ev.unverified:
+            title += f" · {len(ev.unverified)} later drafts not verified (adaptive verify length)"
     else:
         kind = "prefill" if ev.index == 0 else "plain decoding"
         title = f"block {ev.index} · target token ({kind})"

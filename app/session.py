@@ -29,6 +29,7 @@ class BlockStat:
     verify_ms: float
     tokens: int  # reply length after the event
     engine_s: float  # cumulative engine time (prefill + draft + verify) at the end of the event
+    verified: int = 1  # tokens in the block's verify pass (anchor + verified drafts); 1 without a draft
 
 
 @dataclass
@@ -46,7 +47,8 @@ class RunStats:
     def add(self, ev: BlockEvent) -> BlockStat:
         prev = self.blocks[-1].engine_s if self.blocks else 0.0
         stat = BlockStat(
-            index=ev.index, block_size=len(ev.draft) + 1, accepted=ev.accepted, committed=len(ev.committed),
+            index=ev.index, block_size=len(ev.draft) + 1, verified=ev.checked + 1, accepted=ev.accepted,
+            committed=len(ev.committed),
             draft_ms=ev.draft_ms, verify_ms=ev.verify_ms, tokens=ev.tokens_so_far,
             engine_s=prev + (ev.draft_ms + ev.verify_ms) / 1e3,
         )

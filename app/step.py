@@ -106,6 +106,8 @@ def step_html(result: StepResult | None, session: Session) -> str:
         for i in range(n):
             if i < ev.accepted:
                 cls, verdict = ACCEPTED, "✓ accepted"
+            elif i >= ev.checked:
+                cls, verdict = DISCARDED, "· not verified"
             elif i == ev.accepted:
                 cls, verdict = REJECTED, "✗ rejected"
             else:
@@ -114,13 +116,18 @@ def step_html(result: StepResult | None, session: Session) -> str:
             verdicts.append(f"<td class=\"verdict\">{verdict}</td>")
         drafts.append("<td></td>")
         target_tok = ev.committed_text[-1] if ev.committed_text else "?"
-        kind = "bonus" if ev.accepted == n else "correction"
+        kind = "bonus" if ev.accepted == ev.checked else "correction"
         col = ev.accepted  # the target's own token sits where the first rejection was (or after the block)
         targets = ["<td></td>"] * (n + 1)
         targets[col] = _cell(target_tok, TARGET, f"target {kind}")
         verdicts.append('<td class="verdict">bonus</td>' if kind == "bonus" else "<td></td>")
+        if ev.checked == n:
+            checked = "checked them all in one forward pass"
+        else:
+            checked = (f"checked the first {ev.checked} in one forward pass (the adaptive verify length: the "
+                       f"drafter was unsure of the rest, and on this machine each extra verified token costs time)")
         parts.append(f"<p><b>Block {ev.index}</b>: the drafter proposed {n} tokens in one pass; the target "
-                     f"checked them all in one forward pass.</p>")
+                     f"{checked}.</p>")
         parts.append('<table class="step-table"><tr><th>position</th>' + "".join(heads) + "</tr>"
                      + _row("draft", drafts) + _row("verdict", verdicts) + _row("target", targets) + "</table>")
         committed = " ".join(_tok(t, ACCEPTED if j < ev.accepted else TARGET) for j, t in enumerate(ev.committed_text))

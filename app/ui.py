@@ -15,7 +15,7 @@ from typing import Any
 
 import gradio as gr
 
-from dflash_core.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, GenerationConfig
+from dflash_core.config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, VERIFY_MODES, GenerationConfig
 from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
 from dflash_core.events import Finished
@@ -101,11 +101,12 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
         )
 
     def make_config(block_size: float, steps: float, temperature: float, top_p: float, max_new: float,
-                    seed: float) -> GenerationConfig:
+                    seed: float, verify: str = "auto") -> GenerationConfig:
         try:
             return GenerationConfig(
                 max_new_tokens=int(max_new), block_size=int(block_size) if drafter is not None else None,
                 steps=int(steps), temperature=float(temperature), top_p=float(top_p), seed=int(seed or 0),
+                verify=verify or "auto",
             )
         except DFlashError as e:
             raise gr.Error(str(e)) from None
@@ -152,11 +153,11 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
             session.abort()
 
     def chat(text: str, session: Session, block_size: float, steps: float, temperature: float, top_p: float,
-             max_new: float, seed: float, compare: bool) -> Iterator[Update]:
+             max_new: float, seed: float, compare: bool, verify: str = "auto") -> Iterator[Update]:
         if not (text or "").strip():
             yield (gr.skip(), *view(session))
             return
-        cfg = make_config(block_size, steps, temperature, top_p, max_new, seed)
+        cfg = make_config(block_size, steps, temperature, top_p, max_new, seed, verify)
         first = True
         for update in run_reply(session, text, cfg, compare):
             # Empty the textbox once; later updates must not wipe what the visitor types next.
@@ -164,12 +165,12 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
             first = False
 
     def regenerate(session: Session, block_size: float, steps: float, temperature: float, top_p: float,
-                   max_new: float, seed: float, compare: bool) -> Iterator[Update]:
+                   max_new: float, seed: float, compare: bool, verify: str = "auto") -> Iterator[Update]:
         text = session.pop_last_turn()
         if text is None:
             yield view(session)
             return
-        cfg = make_config(block_size, steps, temperature, top_p, max_new, seed)
+        cfg = make_config(block_size, steps, temperature, top_p, max_new, seed, verify)
         yield from run_reply(session, text, cfg, compare)
 
     def stop(session: Session) -> None:
@@ -181,10 +182,10 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
         return view(session)
 
     def next_block(text: str, session: Session, block_size: float, steps: float, temperature: float,
-                   top_p: float, max_new: float, seed: float, compare: bool) -> Update:
+                   top_p: float, max_new: float, seed: float, compare: bool, verify: str = "auto") -> Update:
         """Step mode: a prompt in the textbox starts a stepped reply; each click runs one more block."""
         if (text or "").strip():
-            cfg = make_config(block_size, steps, temperature, top_p, max_new, seed)
+            cfg = make_config(block_size, steps, temperature, top_p, max_new, seed, verify)
             try:
                 step.start(session, engine, text, cfg, plain=drafter is None)
             except DFlashError as e:
@@ -218,6 +219,10 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
                                            info="tokens per block: the anchor + B−1 drafted")
                     steps = gr.Slider(1, 4, value=1, step=1, label="denoising steps", interactive=drafter is not None,
                                       info="1 = one parallel pass (DFlash as published)")
+                    verify = gr.Radio(list(VERIFY_MODES), value="auto", label="verify length",
+                                      interactive=drafter is not None,
+                                      info="full: the target checks every draft; adaptive: only the prefix worth a "
+                                           "pass on this machine; auto: adaptive on CPU, full on GPU")
                     temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature", info="0 = greedy")
                     top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
                     max_new = gr.Slider(1, 1024, value=128, step=1, label="max new tokens")
@@ -255,7 +260,7 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
             with gr.Tab("How it works", id="how"):
                 teach_md = gr.Markdown(teach.explain(None), elem_id="teach")
 
-        controls = [block_size, steps, temperature, top_p, max_new, seed, compare]
+        controls = [block_size, steps, temperature, top_p, max_new, seed, compare, verify]
         outs = [chatbot, spec, heat, acc, speed, stats]
         gen_kwargs: dict[str, Any] = {"concurrency_id": GENERATE, "concurrency_limit": 1,
                                       "show_progress": "minimal", "show_progress_on": [chatbot]}

@@ -14,7 +14,7 @@ from typing import TextIO
 
 import torch
 
-from .config import GenerationConfig
+from .config import VERIFY_MODES, GenerationConfig
 from .engine import Engine
 from .errors import DFlashError
 from .events import BlockEvent, Finished
@@ -46,6 +46,9 @@ def decoding_options(max_new_tokens: int) -> argparse.ArgumentParser:
                    help="DFlash block size B (default: the drafter's)")
     g.add_argument("--steps", type=int, default=1, metavar="N",
                    help="denoising steps per block (1 = DFlash as published)")
+    g.add_argument("--verify", choices=VERIFY_MODES, default="auto",
+                   help="how many draft tokens the target checks: full (the whole block), adaptive (the prefix "
+                        "worth a pass on this machine), auto (adaptive on CPU, full on GPU; default)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
@@ -58,6 +61,7 @@ def generation_config(args: argparse.Namespace, **extra: object) -> GenerationCo
     """Built before any model loads, so a bad flag fails in milliseconds."""
     return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, steps=args.steps,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            verify=args.verify,
                             **extra)
 
 

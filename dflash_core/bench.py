@@ -137,7 +137,8 @@ def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"
         if s.kind == "plain":
             methods.append(engine_method(engine, s.name, plain=True))
         elif s.kind == "dflash":
-            m = engine_method(engine, s.name, plain=False, block_size=s.block_size, steps=s.steps)
+            pin = {"verify": s.verify} if s.verify else {}
+            m = engine_method(engine, s.name, plain=False, block_size=s.block_size, steps=s.steps, **pin)
             assert engine.drafter is not None
             cfg = config or GenerationConfig()
             m.block_size = s.block_size or cfg.block_size or engine.drafter.block_size

@@ -57,6 +57,7 @@ class MethodSpec:
     kind: str  # plain, dflash, hf-generate, prompt-lookup
     block_size: int | None = None
     steps: int | None = None
+    verify: str | None = None  # full / adaptive; None: the run's --verify
 
 
 FIXED_METHODS = {
@@ -66,10 +67,11 @@ FIXED_METHODS = {
     "prompt-lookup": MethodSpec("prompt-lookup", "prompt-lookup"),
 }
 ALL_METHODS = ("plain", "hf-generate", "prompt-lookup", "dflash-b4", "dflash-b8", "dflash-b16",
-               "dflash-b4-s2", "dflash-b8-s2", "dflash-b16-s2")
-_FAMILY = re.compile(r"dflash-b([1-9]\d*)(?:-s([1-9]\d*))?")
-METHOD_HELP = ("plain, dflash (the run's --block-size/--steps), dflash-bN, dflash-bN-sK (block size N, "
-               "K denoising steps), hf-generate, prompt-lookup, or all")
+               "dflash-b4-full", "dflash-b16-full", "dflash-b4-s2", "dflash-b8-s2", "dflash-b16-s2")
+_FAMILY = re.compile(r"dflash-b([1-9]\d*)(?:-s([1-9]\d*))?(?:-(full|adaptive))?")
+METHOD_HELP = ("plain, dflash (the run's --block-size/--steps/--verify), dflash-bN, dflash-bN-sK (block size N, "
+               "K denoising steps), either with -full or -adaptive (verify length), hf-generate, prompt-lookup, "
+               "or all")
 
 
 def parse_method(name: str) -> MethodSpec:
@@ -81,7 +83,7 @@ def parse_method(name: str) -> MethodSpec:
     block = int(m[1])
     if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
         raise DFlashError(f"bench method {name!r}: block size must be {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
-    return MethodSpec(name, "dflash", block_size=block, steps=int(m[2] or 1))
+    return MethodSpec(name, "dflash", block_size=block, steps=int(m[2] or 1), verify=m[3])
 
 
 def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:

@@ -8,6 +8,7 @@ from .errors import DFlashError
 
 MIN_BLOCK_SIZE = 2
 MAX_BLOCK_SIZE = 32
+VERIFY_MODES = ("auto", "adaptive", "full")
 
 
 @dataclass(frozen=True)
@@ -16,7 +17,10 @@ class GenerationConfig:
 
     `block_size=None` means "the drafter's own block size". `steps` is the number of
     denoising steps per block: 1 is DFlash as published (one parallel draft pass).
-    `temperature=0` is greedy decoding.
+    `temperature=0` is greedy decoding. `verify` says how many draft tokens the target checks:
+    "full" the whole block, "adaptive" only the prefix worth a pass on this machine
+    (dflash_core/verify_length.py), "auto" adaptive on a CPU and full on a GPU. The output is
+    the same either way; only the speed differs.
     """
 
     max_new_tokens: int = 256
@@ -26,6 +30,7 @@ class GenerationConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    verify: str = "auto"
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -61,5 +66,7 @@ class GenerationConfig:
             raise DFlashError(f"top_p must be in (0, 1], got {self.top_p!r}.")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise DFlashError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}.")
+        if self.verify not in VERIFY_MODES:
+            raise DFlashError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise DFlashError(f"stop strings must be non-empty strings, got {self.stop!r}.")

@@ -23,6 +23,7 @@ from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
 from .targets import Target
 from .verify import draw_uniforms, greedy_accept, logits_to_probs, sample, speculative_accept
+from .verify_length import VerifyCost, choose_verify_length, measure_verify_cost, next_draft_length, resolve_mode
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 Event = BlockEvent | Finished
@@ -37,6 +38,8 @@ class Draft:
     probs: torch.Tensor  # [B-1] the drafter's probability of each token
     q: torch.Tensor | None  # [B-1, V] proposal distributions (sampling only)
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (tokens, probs, fixed) per step
+    # [B-1] first-step max probability per position, which picks the verify length; None: verify all
+    confidence: torch.Tensor | None = None
 
 
 def unmask_schedule(n_masked: int, steps: int) -> list[int]:
@@ -64,6 +67,15 @@ class Engine:
             drafter.to(device=target.device, dtype=target.dtype).eval()
         self._draft_head = self._draft_vocab_head()
 
+    def verify_cost_for(self, block: int) -> VerifyCost:
+        """The target's measured pass times, covering blocks up to at least `block` tokens
+        (measured on first use: a few seconds; kept on the target for every engine)."""
+        cost = self.target.verify_cost
+        if cost is None or cost.sizes[-1] < block:
+            layer_ids = None if self.drafter is None else self.drafter.config.target_layer_ids
+            cost = self.target.verify_cost = measure_verify_cost(self.target, layer_ids, max(block, 16))
+        return cost
+
     def _draft_vocab_head(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """(token ids, their LM-head rows, bias) when the drafter drafts from a vocabulary subset
         (`DFLASH_DRAFT_VOCAB=0` turns it off: draft over the whole vocabulary)."""
@@ -74,15 +86,12 @@ class Engine:
         return vocab.to(weight.device), weight, bias
 
     def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 [n, V] drafter logits; -inf outside the draft vocabulary, so drafts (greedy or
-        sampled) come only from it and q is the exact distribution they were drawn from."""
+        """fp32 drafter logits [n, Vd] over the draft vocabulary (all V tokens without one).
+        Drafts (greedy or sampled) come only from it; softmax, sampling and q stay that small."""
         if self._draft_head is None:
             return self.target.lm_head(hidden).float()
-        vocab, weight, bias = self._draft_head
-        sub = torch.nn.functional.linear(hidden, weight, bias).float()
-        logits = torch.full((hidden.shape[0], self.target.vocab_size), float("-inf"), device=sub.device)
-        logits[:, vocab] = sub
-        return logits
+        _, weight, bias = self._draft_head
+        return torch.nn.functional.linear(hidden, weight, bias).float()
 
     # ----- prompts -----
 
@@ -137,6 +146,10 @@ class Engine:
         tcache = target.new_cache(cache_len)
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
         layer_ids = None if plain else self.drafter.config.target_layer_ids
+        adaptive = not plain and resolve_mode(cfg.verify, dev) == "adaptive"
+        cost = self.verify_cost_for(block) if adaptive else None
+        draft_len = block  # adaptive: drafts only as far as recent blocks were worth verifying
+        verified: list[int] = []
         t0 = time.perf_counter()
 
         logits, feats = target.forward(torch.tensor([ids], device=dev), tcache, layer_ids, last_only=plain)
@@ -178,30 +191,36 @@ class Engine:
                 start += 1
                 continue
             t1 = time.perf_counter()
-            draft = self.draft_block(anchor, start, pending, dcache, block, cfg, gen)
+            draft = self.draft_block(anchor, start, pending, dcache, draft_len, cfg, gen)
+            tokens, q = draft.tokens, draft.q
+            if cost is not None and draft.confidence is not None:  # verify only the promising prefix
+                draft_ms = (state.draft_s + time.perf_counter() - t1) * 1e3 / (state.blocks + 1)  # mean so far
+                m = choose_verify_length(draft.confidence.tolist(), cost, draft_ms)
+                tokens, q = tokens[:m], None if q is None else q[:m]
+                verified.append(m)
+                draft_len = next_draft_length(verified, draft_len, block)
             t2 = time.perf_counter()
-            block_ids = torch.cat([torch.tensor([anchor], device=dev), draft.tokens]).unsqueeze(0)
+            block_ids = torch.cat([torch.tensor([anchor], device=dev), tokens]).unsqueeze(0)
             logits, feats = target.forward(block_ids, tcache, layer_ids)
             if cfg.greedy:
                 if fused:
-                    acc_t, tok_t = kernels.greedy_accept_triton(draft.tokens, logits, committed_dev, committed_len)
+                    acc_t, tok_t = kernels.greedy_accept_triton(tokens, logits, committed_dev, committed_len)
                 else:
-                    acc_t, tok_t = greedy_accept(draft.tokens, logits)
+                    acc_t, tok_t = greedy_accept(tokens, logits)
             else:
                 p = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
                 if fused:  # the same uniforms speculative_accept would draw: same tokens for a seed
-                    u = draw_uniforms(block - 1, gen, dev)
-                    acc_t, tok_t = kernels.speculative_accept_triton(draft.tokens, draft.q, p, u,
-                                                                     committed_dev, committed_len)
+                    u = draw_uniforms(len(tokens), gen, dev)
+                    acc_t, tok_t = kernels.speculative_accept_triton(tokens, q, p, u, committed_dev, committed_len)
                 else:
-                    acc_t, tok_t = speculative_accept(draft.tokens, draft.q, p, gen)
+                    acc_t, tok_t = speculative_accept(tokens, q, p, gen)
             if fused:
-                window = committed_dev[n_committed : n_committed + block]
+                window = committed_dev[n_committed : n_committed + len(tokens) + 1]
                 acc, tok, *written = torch.cat([acc_t[None], tok_t[None], window]).tolist()  # the block's one sync
                 new = written[: acc + 1]
                 n_committed += acc + 1
             else:
-                acc, tok, *drafted = torch.cat([acc_t[None], tok_t[None], draft.tokens]).tolist()  # one sync
+                acc, tok, *drafted = torch.cat([acc_t[None], tok_t[None], tokens]).tolist()  # one sync
                 new = [*drafted[:acc], tok]
             t3 = time.perf_counter()
             tcache.truncate(start + acc + 1)
@@ -211,7 +230,8 @@ class Engine:
             state.blocks += 1
             state.accepted.append(acc)
             kept, reason = stopper.commit(out, new)
-            yield self._event(index, start, draft, acc, tok, kept, (t2 - t1) * 1e3, (t3 - t2) * 1e3, out)
+            yield self._event(index, start, draft, acc, tok, kept, (t2 - t1) * 1e3, (t3 - t2) * 1e3, out,
+                              verified=len(tokens))
             start += acc + 1
 
     # ----- drafting -----
@@ -229,14 +249,16 @@ class Engine:
         drafter, target = self.drafter, self.target
         assert drafter is not None
         dev = target.device
+        vocab = None if self._draft_head is None else self._draft_head[0]
         n = block - 1
         steps = min(cfg.steps, n)
         tokens = torch.full((block,), drafter.mask_token_id, device=dev, dtype=torch.long)
         tokens[0] = anchor
         chosen_p = torch.zeros(n, device=dev)
-        q_all = None if cfg.greedy else torch.zeros(n, target.vocab_size, device=dev)
+        q_sub = None  # the proposal rows, over the draft vocabulary, of the positions fixed so far
         fixed = torch.zeros(n, dtype=torch.bool, device=dev)
         history = []
+        confidence = None
         new_context = pending
         done = 0
         for n_fixed in unmask_schedule(n, steps):
@@ -245,13 +267,17 @@ class Engine:
             logits = self._draft_logits(hidden[0, 1:])
             if cfg.greedy:
                 probs = torch.softmax(logits, -1)
-                conf, guess = probs.max(-1)
+                conf, pick = probs.max(-1)
                 order = torch.where(fixed, float("-inf"), conf)  # most confident unfixed first
             else:
-                q = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
-                guess = sample(q, gen)
-                conf = q.gather(-1, guess[:, None])[:, 0]
+                probs = logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+                pick = sample(probs, gen)
+                conf = probs.gather(-1, pick[:, None])[:, 0]
                 order = torch.where(fixed, float("-inf"), -torch.arange(n, device=dev, dtype=torch.float))
+                q_sub = probs if q_sub is None else q_sub
+            if confidence is None:  # first step, before any token is drawn (see verify_length)
+                confidence = conf if cfg.greedy else probs.max(-1).values
+            guess = pick if vocab is None else vocab[pick]
             guess = torch.where(fixed, tokens[1:], guess)
             conf = torch.where(fixed, chosen_p, conf)
             newly = torch.zeros_like(fixed)
@@ -260,11 +286,14 @@ class Engine:
             done = n_fixed
             tokens[1:] = torch.where(newly, guess, tokens[1:])
             chosen_p = torch.where(newly, conf, chosen_p)
-            if q_all is not None:
-                q_all[newly] = q[newly]
+            if not cfg.greedy:
+                q_sub = torch.where(newly[:, None], probs, q_sub)
             fixed = fixed | newly
             history.append((guess.clone(), conf.clone(), fixed.clone()))
-        return Draft(tokens=tokens[1:].clone(), probs=chosen_p, q=q_all, steps=history)
+        q = None
+        if q_sub is not None:  # the accept rule reads q over the whole vocabulary
+            q = q_sub if vocab is None else q_sub.new_zeros(n, target.vocab_size).index_copy_(1, vocab, q_sub)
+        return Draft(tokens=tokens[1:].clone(), probs=chosen_p, q=q, steps=history, confidence=confidence)
 
     # ----- helpers -----
 
@@ -275,7 +304,8 @@ class Engine:
         return sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen)
 
     def _event(self, index: int, start: int, draft: Draft | None, accepted: int, token: int,
-               committed: list[int], draft_ms: float, verify_ms: float, out: list[int]) -> BlockEvent:
+               committed: list[int], draft_ms: float, verify_ms: float, out: list[int],
+               verified: int | None = None) -> BlockEvent:
         target = self.target
         steps: list[DraftStep] = []
         draft_ids: list[int] = []
@@ -289,7 +319,7 @@ class Engine:
             index=index, start=start, steps=steps, draft=draft_ids, accepted=accepted, target_token=token,
             committed=committed, draft_ms=draft_ms, verify_ms=verify_ms, tokens_so_far=len(out),
             text=target.decode(out), committed_text=target.token_strings(committed),
-            draft_text=target.token_strings(draft_ids),
+            draft_text=target.token_strings(draft_ids), verified=verified,
         )
 
 

@@ -34,10 +34,23 @@ class BlockEvent:
     text: str  # decoded reply so far
     committed_text: list[str] = field(default_factory=list)  # one string per committed token
     draft_text: list[str] = field(default_factory=list)  # one string per draft token
+    # How many draft tokens (a prefix of `draft`) the target checked; None: all of them. With the
+    # adaptive verify length the rest were drafted but not worth a verify pass on this machine.
+    verified: int | None = None
+
+    @property
+    def checked(self) -> int:
+        """Draft tokens the target verified."""
+        return len(self.draft) if self.verified is None else self.verified
 
     @property
     def rejected(self) -> list[int]:
-        return self.draft[self.accepted :]
+        """Verified draft tokens after the accepted prefix (the first one disagreed)."""
+        return self.draft[self.accepted : self.checked]
+
+    @property
+    def unverified(self) -> list[int]:
+        return self.draft[self.checked :]
 
     @property
     def is_draft_block(self) -> bool:

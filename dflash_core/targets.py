@@ -11,7 +11,7 @@ import inspect
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ import torch
 
 from .cache import TargetCache
 from .errors import DFlashError
+from .verify_length import VerifyCost
 
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -117,6 +118,9 @@ class Target:
     name: str
     device: torch.device
     dtype: torch.dtype
+    # Measured pass times per token count on this machine (verify_length.measure_verify_cost),
+    # filled on first use by an engine with the adaptive verify length and shared by all engines.
+    verify_cost: VerifyCost | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.model.eval()

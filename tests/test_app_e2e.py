@@ -48,8 +48,8 @@ def client(url: str) -> Any:
 
 
 def chat_args(prompt: str, max_new: int = MAX_NEW, compare: bool = False) -> tuple[Any, ...]:
-    # textbox, block size, steps, temperature, top-p, max new tokens, seed, compare
-    return (prompt, BLOCK, 1, 0.0, 1.0, max_new, 0, compare)
+    # textbox, block size, steps, temperature, top-p, max new tokens, seed, compare, verify length
+    return (prompt, BLOCK, 1, 0.0, 1.0, max_new, 0, compare, "auto")
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -101,7 +101,9 @@ def test_streamed_reply_equals_plain_greedy_decoding(client: Any, engine: Engine
     heat_fig, acc_fig, speed_fig = figure(heat), figure(acc), figure(speed)
     assert heat_fig["data"][0]["type"] == "heatmap"
     assert len(heat_fig["data"][0]["z"][0]) == BLOCK - 1  # one column per drafted position
-    assert [t["type"] for t in acc_fig["data"]] == ["bar", "bar", "scatter", "scatter"]
+    # bars: accepted, target token; lines: block size, running tau (and "verified" when the adaptive
+    # verify length checked fewer drafts than were drafted)
+    assert [t["type"] for t in acc_fig["data"]][:4] == ["bar", "bar", "scatter", "scatter"]
     assert [t["name"] for t in speed_fig["data"]] == ["DFlash", "plain"]
     assert speed_fig["data"][0]["y"][-1] >= MAX_NEW  # every committed token is on the curve
     assert "speed-up" in speed_fig["layout"]["title"]["text"]

@@ -53,6 +53,10 @@ def test_all_expands_to_the_scoreboard() -> None:
     assert by_name["dflash-b8"] == MethodSpec("dflash-b8", "dflash", block_size=8, steps=1)
     assert by_name["prompt-lookup"].kind == "prompt-lookup" and by_name["plain"].kind == "plain"
     assert bench_stats.parse_method("dflash") == MethodSpec("dflash", "dflash")  # the run's own settings
+    assert by_name["dflash-b16-full"] == MethodSpec("dflash-b16-full", "dflash", block_size=16, steps=1,
+                                                    verify="full")
+    assert bench_stats.parse_method("dflash-b4-s2-adaptive").verify == "adaptive"
+    assert by_name["dflash-b8"].verify is None  # the run's --verify
 
 
 def test_method_lists_tolerate_spaces_and_trailing_commas() -> None:
@@ -67,6 +71,8 @@ def test_method_lists_tolerate_spaces_and_trailing_commas() -> None:
     ("dflash-b04", "unknown bench method"),
     ("dflash-b4-s0", "unknown bench method"),
     ("dflash-s2", "unknown bench method"),
+    ("dflash-b4-sometimes", "unknown bench method"),
+    ("dflash-b4-full-s2", "unknown bench method"),
     ("plain,all", r"\['plain'\] given twice"),
     (" , ", "no bench methods"),
 ])

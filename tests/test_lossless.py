@@ -108,8 +108,11 @@ def run(engine: Engine, prompt: Prompt, cfg: GenerationConfig, plain: bool = Fal
 
 
 def check_events(events: Sequence[BlockEvent], fin: Finished, *, prompt_len: int, max_new: int, block: int,
-                 eos: set[int], steps: int | None = None) -> bool:
+                 eos: set[int], steps: int | None = None, full: bool = True) -> bool:
     """Invariants every run must satisfy. Returns whether the last event was cut short by a stop.
+
+    `full`: every block drafted and verified all B-1 positions; otherwise (adaptive verify
+    length) a block may draft fewer and verify a prefix of its drafts.
 
     Each event commits its accepted drafts plus the target token, except that the engine cuts the
     last event exactly where plain decoding stops (max_new_tokens, EOS, stop string), so the
@@ -129,22 +132,26 @@ def check_events(events: Sequence[BlockEvent], fin: Finished, *, prompt_len: int
         assert ev.tokens_so_far == prev.tokens_so_far + len(ev.committed) > prev.tokens_so_far
         if block == 1:  # plain decoding
             assert ev.draft == [] and ev.steps == [] and ev.accepted == 0
-            full = [ev.target_token]
+            committed_full = [ev.target_token]
         else:
             draft_blocks += 1
-            assert len(ev.draft) == block - 1
-            assert 0 <= ev.accepted <= len(ev.draft)
-            full = [*ev.draft[: ev.accepted], ev.target_token]
-            assert ev.rejected == ev.draft[ev.accepted :]
+            drafted = len(ev.draft) + 1
+            if full:
+                assert drafted == block and ev.checked == block - 1
+            assert 2 <= drafted <= block and 1 <= ev.checked <= len(ev.draft)
+            assert 0 <= ev.accepted <= ev.checked
+            committed_full = [*ev.draft[: ev.accepted], ev.target_token]
+            assert ev.rejected == ev.draft[ev.accepted : ev.checked]
+            assert ev.unverified == ev.draft[ev.checked :]
             assert ev.steps and ev.steps[-1].tokens == ev.draft and all(ev.steps[-1].fixed)
             if steps is not None:
-                assert len(ev.steps) == min(steps, block - 1)
+                assert len(ev.steps) == min(steps, drafted - 1)
                 for a, b in itertools.pairwise(ev.steps):  # once fixed, a position stays fixed and unchanged
                     assert all(fb for fa, fb in zip(a.fixed, b.fixed, strict=True) if fa)
                     assert all(tb == ta for ta, tb, fa in zip(a.tokens, b.tokens, a.fixed, strict=True) if fa)
-        assert 1 <= len(ev.committed) <= len(full)
-        assert ev.committed == full[: len(ev.committed)]
-        cut = ev.committed != full
+        assert 1 <= len(ev.committed) <= len(committed_full)
+        assert ev.committed == committed_full[: len(ev.committed)]
+        cut = ev.committed != committed_full
         total.extend(ev.committed)
     assert len(total) == events[-1].tokens_so_far
     assert fin.blocks == len(events) - 1
@@ -207,17 +214,18 @@ class ForcedEngine(Engine):
 # ----- (a) random drafter -----
 
 
+@pytest.mark.parametrize("verify", ["full", "adaptive"])
 @pytest.mark.parametrize("block", BLOCK_SIZES)
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_random_drafter_matches_plain(target: Target, engine: Engine, refs: References, name: str,
-                                      block: int) -> None:
+                                      block: int, verify: str) -> None:
     # Steps alternate over (prompt, block) so every (prompt, B), (B, steps) and (prompt, steps) pair occurs.
     steps = 1 + (list(PROMPTS).index(name) + BLOCK_SIZES.index(block)) % 2
     ref = refs[name]
-    cfg = GenerationConfig(max_new_tokens=RANDOM_TOKENS, block_size=block, steps=steps)
+    cfg = GenerationConfig(max_new_tokens=RANDOM_TOKENS, block_size=block, steps=steps, verify=verify)
     events, fin = run(engine, ref.prompt, cfg)
     check_events(events, fin, prompt_len=ref.prompt_len, max_new=RANDOM_TOKENS, block=block,
-                 eos=target.eos_ids, steps=steps)
+                 eos=target.eos_ids, steps=steps, full=verify == "full")
     assert fin.token_ids == ref.expected(RANDOM_TOKENS)
     assert fin.text == target.decode(fin.token_ids)
 
@@ -288,7 +296,7 @@ def _both_modes(engine: Engine, ref: Reference, cfg: GenerationConfig) -> tuple[
                  eos=engine.target.eos_ids)
     events, fast = run(engine, ref.prompt, cfg)
     check_events(events, fast, prompt_len=plen, max_new=cfg.max_new_tokens, block=cfg.block_size or 16,
-                 eos=engine.target.eos_ids, steps=cfg.steps)
+                 eos=engine.target.eos_ids, steps=cfg.steps, full=cfg.verify == "full")
     return plain, fast
 
 

@@ -15,7 +15,7 @@ from dflash_core.events import BlockEvent, DraftStep, Finished
 
 
 def draft_block(index: int, start: int, draft_text: list[str], accepted: int, target_text: str,
-                tokens_before: int, steps: int = 2) -> BlockEvent:
+                tokens_before: int, steps: int = 2, verified: int | None = None) -> BlockEvent:
     """A draft block: ids are made up; texts are what matters to the renderer."""
     n = len(draft_text)
     draft = list(range(100 + index * 50, 100 + index * 50 + n))
@@ -30,6 +30,7 @@ def draft_block(index: int, start: int, draft_text: list[str], accepted: int, ta
         index=index, start=start, steps=history, draft=draft, accepted=accepted, target_token=7,
         committed=committed, draft_ms=1.0, verify_ms=3.0, tokens_so_far=tokens_before + len(committed),
         text="", committed_text=[*draft_text[:accepted], target_text], draft_text=list(draft_text),
+        verified=verified,
     )
 
 
@@ -239,3 +240,33 @@ def test_partial_utf8_pieces_are_merged_with_the_token_that_completes_them() -> 
     titles = [t for _, t, text in token_spans(markup) if text == "é"]
     assert titles and "multi-byte character" in titles[0]
     assert reply_text(render_view(events)) == "\ufffd\ufffd ok"  # without decode: unchanged
+
+
+def test_drafts_past_the_verified_prefix_are_shown_as_not_verified() -> None:
+    """Adaptive verify length: the target checked 2 of 4 drafts, kept 1, and corrected the 2nd."""
+    from app import step
+
+    ev = draft_block(1, 11, ["a", "b", "c", "d"], accepted=1, target_text="X", tokens_before=1, verified=2)
+    assert ev.rejected == [ev.draft[1]] and ev.unverified == ev.draft[2:]
+    spans = token_spans(render_view([prefill("P"), ev]))
+    kinds = [(next(k for k in (ACCEPTED, TARGET, REJECTED) if k in c), t) for c, _, t in spans]
+    assert kinds == [(TARGET, "P"), (ACCEPTED, "a"), (REJECTED, "b"), (TARGET, "X")]  # c, d were never judged
+    assert "pos 2/2" in spans[-1][1] and "2 later drafts not verified" in spans[-1][1]
+
+    heat = charts.heatmap_figure(ev, [["a", "b", "c", "d"], ["a", "b", "c", "d"]])
+    names = {t.name: t for t in heat.data}
+    assert list(names["accepted"].x) == ["1"] and list(names["rejected"].x) == []
+    assert list(names["not verified"].x) == ["3", "4"] and list(names["target correction"].x) == ["2"]
+    assert "1/2 drafts accepted (4 drafted)" in heat.layout.title.text
+
+    full = draft_block(2, 13, ["e", "f", "g"], accepted=1, target_text="Y", tokens_before=3, verified=1)
+    heat = charts.heatmap_figure(full)
+    assert "target bonus" in {t.name for t in heat.data}  # all verified drafts accepted: the token is a bonus
+
+    acc = charts.acceptance_figure(_stats([prefill("P"), ev, full]))
+    verified = next(t for t in acc.data if t.name == "verified")
+    assert list(verified.y) == [3, 2]  # anchor + verified drafts, per block
+
+    markup = step.step_html(step.StepResult(events=[ev]), Session())
+    assert markup.count("· not verified") == 2 and markup.count("✗ rejected") == 1
+    assert "checked the first 2" in markup

@@ -22,6 +22,7 @@ from dflash_core.drafter import DFlashDrafter, config_for_target, init_weights
 from dflash_core.engine import Engine
 from dflash_core.events import Finished
 from dflash_core.verify import logits_to_probs
+from dflash_core.verify_length import VerifyCost
 
 PROMPT = [1, 3, 0, 2]
 LENGTH = 3
@@ -130,3 +131,18 @@ def test_wrong_acceptance_rule_is_detected(toy_engine: Engine, monkeypatch: pyte
     cfg = GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1)
     counts, _ = sampled_counts(toy_engine, cfg)
     assert chi_square_p(counts, exact_distribution(toy_engine.target, cfg)) < 1e-3
+
+
+def test_adaptive_verify_length_keeps_sampling_exact(toy_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The adaptive verify length is chosen from the drafter's first-step distributions, before any
+    token is drawn, so verifying one draft in some blocks and two in others stays exact."""
+    monkeypatch.setattr(toy_engine.target, "verify_cost", VerifyCost((1, 2, 3), (100.0, 115.0, 135.0)))
+    cfg = GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1, verify="adaptive")
+    checked = Counter()
+    counts: Counter = Counter()
+    for seed in range(TRIALS):
+        *events, fin = toy_engine.generate(PROMPT, cfg.with_(seed=seed))
+        checked.update(ev.checked for ev in events[1:])
+        counts[tuple(fin.token_ids)] += 1
+    assert checked[1] > TRIALS / 20 and checked[2] > TRIALS / 20, checked  # both lengths were chosen often
+    assert chi_square_p(counts, exact_distribution(toy_engine.target, cfg)) > 1e-3

@@ -56,7 +56,7 @@ def test_shipped_drafter_is_the_default() -> None:
 
 def test_shipped_drafter_accepts_more_than_an_untrained_one(shipped: DFlashDrafter, target) -> None:
     untrained = init_weights(DFlashDrafter(shipped.config), seed=0).to(target.device, target.dtype).eval()
-    config = GenerationConfig(max_new_tokens=48, temperature=0.0, block_size=16)
+    config = GenerationConfig(max_new_tokens=48, temperature=0.0, block_size=16, verify="full")  # drafter quality
     committed = {}
     outputs = {}
     for name, drafter in (("shipped", shipped), ("untrained", untrained)):

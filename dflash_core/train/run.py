@@ -189,7 +189,7 @@ def speculative_eval(drafter: DFlashDrafter, target: Any, sets: list[str], limit
 
     # A copy: the engine casts its drafter to the target's dtype and device in place.
     engine = Engine(target, copy.deepcopy(drafter))
-    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, temperature=0.0, verify="full")  # tau as published
     results: dict[str, Any] = {}
     for name in sets:
         prompts = load_prompt_set(name, limit)

@@ -1,0 +1,137 @@
+"""How many draft tokens to send to the target: the whole block, or only the promising prefix.
+
+On a GPU a 16-token verify pass costs about what a 1-token pass costs, so verifying the whole
+block is free. On a CPU it is not: here a 16-token pass costs ~2.3 one-token passes, a 4-token
+pass ~1.5. Then verifying draft tokens the drafter itself doubts is a loss, and the best length
+changes from block to block with the drafter's confidence.
+
+`choose_verify_length` picks the number m of draft tokens that maximises the expected
+tokens committed per second of the block's cycle,
+
+    E(m) / (t_draft + t_verify(m + 1)),   E(m) = 1 + sum_{k<=m} prod_{j<=k} c_j,
+
+where c_j is the drafter's first-step probability at position j (its confidence) and
+t_verify(n) the measured cost of a target pass over n tokens (`VerifyCost`).
+
+The drafted length adapts too (`next_draft_length`): drafting positions that will not be
+verified costs drafter time, so the next block drafts a little past the longest prefix recently
+worth verifying, and doubles when a whole drafted block was verified.
+
+Why this stays exact: verification is unchanged; only fewer draft tokens reach it. Greedy
+decoding commits the target's argmax whatever is verified. For speculative sampling the
+choice must not depend on which tokens were drawn, or the accepted prefix would be biased;
+c_j = max_v q_j(v) of the *first* denoising step is computed before any token is drawn, so
+the length is fixed independently of the draws.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import torch
+
+from .config import VERIFY_MODES
+
+MIN_DRAFT_LENGTH = 4  # anchor + 3 drafts: shorter saves no drafter time on any machine measured
+RECENT_BLOCKS = 8
+CALIBRATION_CONTEXT = 128  # tokens of context the verify passes are timed after
+CALIBRATION_REPEATS = 3
+
+
+def resolve_mode(mode: str, device: torch.device | str) -> str:
+    """"auto" is "adaptive" on a CPU and "full" on an accelerator, where a block's verify pass
+    costs about one token's and the adaptive choice would only add a host round trip."""
+    if mode not in VERIFY_MODES:
+        raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    return "adaptive" if torch.device(device).type == "cpu" else "full"
+
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """Measured target pass times (ms) at some token counts; linear in between and beyond."""
+
+    sizes: tuple[int, ...]  # increasing, starting at 1
+    ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sizes or self.sizes[0] != 1 or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"sizes must increase from 1, got {self.sizes}")
+        if len(self.ms) != len(self.sizes) or any(m <= 0 for m in self.ms):
+            raise ValueError("one positive time per size is needed")
+
+    def __call__(self, n: int) -> float:
+        """Time of a pass over n tokens (n >= 1)."""
+        s, ms = self.sizes, self.ms
+        if len(s) == 1:
+            return ms[0] * n
+        i = min(max(bisect_left(s, n), 1), len(s) - 1)  # the segment [s[i-1], s[i]] that holds n
+        slope = (ms[i] - ms[i - 1]) / (s[i] - s[i - 1])
+        return ms[i - 1] + slope * (n - s[i - 1])
+
+    def relative(self) -> dict[int, float]:
+        """Each measured size's time in one-token passes (what the README quotes)."""
+        return {n: m / self.ms[0] for n, m in zip(self.sizes, self.ms, strict=True)}
+
+
+def choose_verify_length(confidence: list[float], cost: VerifyCost, draft_ms: float) -> int:
+    """The number of draft tokens (1..len(confidence)) worth verifying; see the module text."""
+    if not confidence:
+        raise ValueError("no draft tokens to choose from")
+    best, best_rate = 1, -1.0
+    expected, chain = 1.0, 1.0
+    for m, c in enumerate(confidence, start=1):
+        chain *= min(max(float(c), 0.0), 1.0)
+        expected += chain
+        rate = expected / (draft_ms + cost(m + 1))
+        if rate > best_rate:
+            best, best_rate = m, rate
+    return best
+
+
+def next_draft_length(verified: list[int], current: int, block: int) -> int:
+    """The next block's drafted length (anchor included, MIN_DRAFT_LENGTH..block), from the
+    numbers of draft tokens verified in the blocks so far (`current` = this block's length)."""
+    if not verified:
+        return block
+    if verified[-1] >= current - 1:  # everything drafted was worth verifying: room to grow
+        return min(block, 2 * current)
+    return min(block, max(MIN_DRAFT_LENGTH, max(verified[-RECENT_BLOCKS:]) + 2))
+
+
+def calibration_sizes(max_tokens: int) -> list[int]:
+    return [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if n < max_tokens] + [max_tokens]
+
+
+@torch.inference_mode()
+def measure_verify_cost(target: object, layer_ids: list[int] | None, max_tokens: int) -> VerifyCost:
+    """Time the target's passes over 1..max_tokens tokens after a short context, as the engine
+    calls them (with the drafter's feature layers). Sizes are interleaved over the repeats, so a
+    change in the machine's load lands on all of them alike; the fastest repeat is kept.
+    About 30 target passes: a few seconds for a small target on a CPU."""
+    sizes = calibration_sizes(max(1, max_tokens))
+    dev = target.device
+    vocab = target.vocab_size
+    context = torch.arange(CALIBRATION_CONTEXT, device=dev)[None] * 7919 % vocab
+    cache = target.new_cache(CALIBRATION_CONTEXT + max(sizes))
+    target.forward(context, cache, layer_ids)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for rep in range(CALIBRATION_REPEATS + 1):  # the first round warms up and is not kept
+        for n in sizes:
+            ids = context[:, :n]
+            cache.truncate(CALIBRATION_CONTEXT)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            logits, _ = target.forward(ids, cache, layer_ids)
+            logits[-1, 0].item()  # wait for the pass, as the engine's block sync does
+            if rep:
+                times[n].append((time.perf_counter() - t0) * 1e3)
+    ms = [min(times[n]) for n in sizes]  # the least disturbed pass: another job on the machine only adds
+    # Timing noise must not make a longer pass look cheaper than a shorter one.
+    for i in range(1, len(ms)):
+        ms[i] = max(ms[i], ms[i - 1])
+    return VerifyCost(tuple(sizes), tuple(ms))

@@ -1,0 +1,149 @@
+"""The adaptive verify length: the cost table, the choice, the drafted length, and that output
+stays exactly plain greedy decoding's on the real target with the shipped drafter."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from conftest import finish
+from test_lossless import check_events, run
+
+from dflash_core.config import GenerationConfig
+from dflash_core.drafter import DFlashDrafter, load_drafter
+from dflash_core.engine import Engine
+from dflash_core.errors import DFlashError
+from dflash_core.loading import SHIPPED_DRAFTER
+from dflash_core.verify_length import (
+    MIN_DRAFT_LENGTH,
+    VerifyCost,
+    calibration_sizes,
+    choose_verify_length,
+    measure_verify_cost,
+    next_draft_length,
+    resolve_mode,
+)
+
+# Shaped like this CPU's measurements: 2 tokens cost 1.15 one-token passes, 16 tokens 2.3.
+CPU_LIKE = VerifyCost((1, 2, 4, 16), (60.0, 69.0, 90.0, 138.0))
+FLAT = VerifyCost((1, 16), (10.0, 10.0))
+
+
+def test_cost_table_interpolates_and_extrapolates() -> None:
+    assert CPU_LIKE(1) == 60.0 and CPU_LIKE(2) == 69.0 and CPU_LIKE(16) == 138.0
+    assert CPU_LIKE(3) == pytest.approx(79.5)  # halfway between 2 and 4
+    assert CPU_LIKE(10) == pytest.approx(114.0)
+    assert CPU_LIKE(20) == pytest.approx(154.0)  # the last segment's slope, beyond the table
+    assert VerifyCost((1,), (5.0,))(3) == 15.0
+    assert CPU_LIKE.relative()[16] == pytest.approx(2.3)
+
+
+@pytest.mark.parametrize("sizes,ms", [((2, 4), (1.0, 2.0)), ((1, 4, 4), (1.0, 2.0, 3.0)), ((1, 4), (1.0,)),
+                                      ((1, 4), (1.0, 0.0)), ((), ())])
+def test_cost_table_rejects_bad_tables(sizes: tuple[int, ...], ms: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError):
+        VerifyCost(sizes, ms)
+
+
+def rate(confidence: list[float], cost: VerifyCost, draft_ms: float, m: int) -> float:
+    """Expected tokens per ms when verifying m drafts, straight from the formula."""
+    expected = 1 + sum(math.prod(confidence[:k]) for k in range(1, m + 1))
+    return expected / (draft_ms + cost(m + 1))
+
+
+def test_choice_maximises_expected_tokens_per_second() -> None:
+    rng = random.Random(0)
+    chosen = set()
+    for _ in range(300):
+        n = rng.choice([1, 3, 7, 15])
+        conf = [rng.random() ** rng.choice([0.3, 1, 3]) for _ in range(n)]
+        cost = rng.choice([CPU_LIKE, FLAT, VerifyCost((1, 2, 3, 8), (1.0, 1.5, 1.6, 4.0))])
+        draft_ms = rng.choice([0.0, 5.0, 30.0])
+        m = choose_verify_length(conf, cost, draft_ms)
+        best = max(rate(conf, cost, draft_ms, k) for k in range(1, n + 1))
+        assert rate(conf, cost, draft_ms, m) == pytest.approx(best, rel=1e-12)
+        chosen.add(m)
+    assert len(chosen) > 5  # the cases exercise many lengths, not one
+
+
+def test_choice_extremes() -> None:
+    assert choose_verify_length([0.99] * 15, FLAT, 1.0) == 15  # free verification: take everything
+    assert choose_verify_length([0.01] * 15, CPU_LIKE, 8.0) == 1  # an unsure drafter on a CPU: one token
+    assert choose_verify_length([0.95, 0.9, 0.05, 0.9], CPU_LIKE, 8.0) == 2  # stop before the doubt
+    with pytest.raises(ValueError):
+        choose_verify_length([], CPU_LIKE, 1.0)
+
+
+def test_drafted_length_follows_what_was_verified() -> None:
+    assert next_draft_length([], 16, 16) == 16
+    assert next_draft_length([1, 1, 2], 16, 16) == MIN_DRAFT_LENGTH  # floor
+    assert next_draft_length([1, 5, 1], 16, 16) == 7  # the longest recent prefix + 2
+    assert next_draft_length([1, 3], 4, 16) == 8  # the whole drafted block was verified: double
+    assert next_draft_length([7], 8, 10) == 10  # never past the block size
+    long_ago = [12] + [1] * 8
+    assert next_draft_length(long_ago, 16, 16) == MIN_DRAFT_LENGTH  # only recent blocks count
+
+
+def test_mode_resolution_and_validation() -> None:
+    assert resolve_mode("auto", "cpu") == "adaptive"
+    assert resolve_mode("auto", torch.device("cuda", 0)) == "full"
+    assert resolve_mode("full", "cpu") == "full" and resolve_mode("adaptive", "cuda") == "adaptive"
+    with pytest.raises(ValueError):
+        resolve_mode("sometimes", "cpu")
+    with pytest.raises(DFlashError, match="verify must be one of"):
+        GenerationConfig(verify="sometimes")
+
+
+def test_calibration_on_the_real_target(target) -> None:
+    cost = measure_verify_cost(target, [1, 27], 16)
+    assert cost.sizes == tuple(calibration_sizes(16)) and cost.sizes[-1] == 16
+    assert all(b >= a > 0 for a, b in itertools.pairwise(cost.ms))  # never cheaper for more tokens
+
+
+@pytest.fixture(scope="module")
+def shipped_engine(target) -> Engine:
+    drafter: DFlashDrafter = load_drafter(SHIPPED_DRAFTER, device=target.device, dtype=target.dtype)
+    engine = Engine(target, drafter)
+    return engine
+
+
+PROMPTS = [
+    "Write a Python function that checks whether a string is a palindrome.",
+    "A farmer has 17 sheep and buys 5 more, then sells 8. How many sheep are left?",
+    "Explain in two sentences why the sky is blue.",
+    "List the first ten prime numbers.",
+    [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "And a fruit of that colour?"}],
+]
+
+
+@pytest.mark.parametrize("block", [2, 4, 8, 16])
+def test_adaptive_output_is_plain_greedy_output(target, shipped_engine: Engine, block: int,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A fixed CPU-shaped table, so the choices do not depend on this machine's timing noise.
+    monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
+    cfg = GenerationConfig(max_new_tokens=40, block_size=block, verify="adaptive")
+    shorter = fewer_drafted = 0
+    for prompt in PROMPTS:
+        plain = finish(shipped_engine.generate(prompt, cfg, plain=True))
+        events, fin = run(shipped_engine, prompt, cfg)
+        check_events(events, fin, prompt_len=fin.prompt_tokens, max_new=40, block=block,
+                     eos=target.eos_ids, full=False)
+        assert fin.token_ids == plain.token_ids
+        shorter += sum(ev.checked < len(ev.draft) for ev in events[1:])
+        fewer_drafted += sum(len(ev.draft) + 1 < block for ev in events[1:])
+    if block > 2:  # with B = 2 there is one draft token: nothing to choose
+        assert shorter > 0, "the adaptive length never verified less than the drafted block"
+    if block > MIN_DRAFT_LENGTH:
+        assert fewer_drafted > 0, "the drafted length never adapted"
+
+
+def test_full_mode_verifies_every_draft(target, shipped_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
+    cfg = GenerationConfig(max_new_tokens=24, block_size=8, verify="full")
+    events, fin = run(shipped_engine, PROMPTS[0], cfg)
+    check_events(events, fin, prompt_len=fin.prompt_tokens, max_new=24, block=8, eos=target.eos_ids, full=True)
+    assert all(ev.verified == 7 for ev in events[1:])
