@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     print("[dflash] loading the engine (torch, target, drafter) ...", flush=True)
     t0 = time.perf_counter()
     import dflash_core  # imported here so --help answers without loading torch
+    from dflash_core.verify_length import resolve_mode
 
     target = hosting.pick_target(args.target)
     if target != args.target:
@@ -59,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
           f"— ready in {time.perf_counter() - t0:.1f} s", flush=True)
     for note in engine.warnings:
         print(f"[dflash] warning: {note}", flush=True)
+    if drafter is not None and resolve_mode("auto", engine.target.device) == "adaptive":
+        # Now rather than in the first reply: the adaptive verify length needs the target's pass times.
+        t1 = time.perf_counter()
+        cost = engine.verify_cost_for(drafter.block_size)
+        steps = ", ".join(f"{n}: {r:.2f}" for n, r in cost.relative().items())
+        print(f"[dflash] verify cost in one-token passes ({steps}) measured in {time.perf_counter() - t1:.1f} s",
+              flush=True)
 
     from app.ui import build_app, launch_kwargs
 

@@ -46,6 +46,11 @@ token. DFlash pays one draft pass t(draft) plus one forward over the whole block
 tokens for it. On a GPU a forward over 16 tokens costs barely more than over one (it is memory-bound), and the \
 drafter is small and drafts in one pass, so a high τ turns almost directly into speed. With a drafter that \
 guesses badly, τ ≈ 1 and the extra draft and block costs make DFlash *slower* than plain decoding.
+
+**Adaptive verify length.** On a CPU t(block) grows with the block, so the engine (verify length *auto* or \
+*adaptive*) sends the target only the drafts worth checking: the prefix that maximises expected tokens per \
+second, judged from the drafter's own confidence and the target's measured pass times. The output is the same; \
+drafts past that prefix show as *not verified*.
 """
 
 BEFORE_REPLY = "\n*Ask something in the Studio tab: this page then walks through your own reply, block by block.*\n"
@@ -66,7 +71,7 @@ def _plural(n: int, word: str) -> str:
 
 
 def _kind(ev: BlockEvent) -> str:
-    return "bonus" if ev.accepted == len(ev.draft) else ("none" if ev.accepted == 0 else "correction")
+    return "bonus" if ev.accepted == ev.checked else ("none" if ev.accepted == 0 else "correction")
 
 
 def pick_examples(events: Sequence[BlockEvent], limit: int = MAX_EXAMPLES) -> list[BlockEvent]:
@@ -86,11 +91,14 @@ def pick_examples(events: Sequence[BlockEvent], limit: int = MAX_EXAMPLES) -> li
 
 def describe_block(ev: BlockEvent, greedy: bool = True) -> str:
     """One sentence on one real block: what was drafted, what the target kept, what got committed."""
-    n, acc = len(ev.draft), ev.accepted
+    n, acc = ev.checked, ev.accepted  # the drafts the target checked (all, unless the verify length adapted)
     agree = "agreed with" if greedy else "accepted (by the min(1, p/q) test)"
     target_tok = ev.committed_text[-1] if ev.committed_text else "?"
-    drafted = " ".join(chip(t, ACCEPTED if i < acc else REJECTED) for i, t in enumerate(ev.draft_text))
+    drafted = " ".join(chip(t, ACCEPTED if i < acc else REJECTED) for i, t in enumerate(ev.draft_text[:n]))
     head = f"In **block {ev.index}** the drafter proposed {drafted}"
+    if ev.unverified:
+        head += (f" (and {_plural(len(ev.unverified), 'more draft')} it was unsure of: with the adaptive verify "
+                 "length the target did not check those)")
     if acc == n:
         verdict = (f"the target {agree} all {n} and added a bonus token {chip(target_tok, TARGET)}")
     elif acc == 0:

@@ -37,6 +37,7 @@ from .engine import Engine
 from .errors import DFlashError
 from .events import Finished
 from .prompt_sets import Turns
+from .verify_length import resolve_mode
 
 WARMUP_TOKENS = 8
 PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
@@ -49,6 +50,7 @@ class Method:
     kind: str = "custom"  # plain, dflash, hf-generate, prompt-lookup: what the statistics may assume
     block_size: int | None = None  # DFlash: the block size it runs with (sizes the τ histogram)
     steps: int | None = None
+    verify: str | None = None  # DFlash: full or adaptive (the verify length it runs with on this device)
 
 
 def engine_method(engine: Engine, name: str, *, plain: bool, block_size: int | None = None,
@@ -143,6 +145,7 @@ def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"
             cfg = config or GenerationConfig()
             m.block_size = s.block_size or cfg.block_size or engine.drafter.block_size
             m.steps = s.steps or cfg.steps
+            m.verify = resolve_mode(s.verify or cfg.verify, engine.target.device)
             methods.append(m)
         else:
             lookup = PROMPT_LOOKUP_TOKENS if s.kind == "prompt-lookup" else 0

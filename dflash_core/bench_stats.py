@@ -157,7 +157,8 @@ def method_stats(m: MethodLike, runs: Sequence[RunResult], base: Sequence[RunRes
     tokens, seconds = sum(len(r.ids) for r in runs), sum(r.seconds for r in runs)
     cost = _per_token_s(runs)
     s: dict[str, Any] = {
-        "kind": m.kind, "block_size": m.block_size, "steps": m.steps, "tokens": tokens, "seconds": seconds,
+        "kind": m.kind, "block_size": m.block_size, "steps": m.steps, "verify": getattr(m, "verify", None),
+        "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "tokens_per_s_median": statistics.median(rates) if rates else 0.0,
         "tokens_per_s_mean": statistics.fmean(rates) if rates else 0.0,
@@ -247,6 +248,8 @@ def legend(summary: dict[str, Any]) -> list[str]:
         "tau = mean tokens committed per draft block (accepted drafts + 1); "
         f"speed-up = {base}'s s/token / the method's, whole run",
         "draft/verify ms = engine-timed mean per draft block (plain: verify = t1, ms per token)",
+        "-full: the target verifies all B−1 drafts of every block (tau as published); -adaptive: only the prefix "
+        "worth its measured cost on this machine (fewer tokens per forward, cheaper forwards; the same output)",
         "bound = tau·t1/(t_verify+t_draft); achieved = speed-up vs plain / bound (below 100%: host overhead "
         "and prefill; above: the same overhead weighs more on plain's shorter steps)",
         f"exact = prompts whose token ids equal {base}'s" + (

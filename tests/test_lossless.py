@@ -214,13 +214,16 @@ class ForcedEngine(Engine):
 # ----- (a) random drafter -----
 
 
-@pytest.mark.parametrize("verify", ["full", "adaptive"])
 @pytest.mark.parametrize("block", BLOCK_SIZES)
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_random_drafter_matches_plain(target: Target, engine: Engine, refs: References, name: str,
-                                      block: int, verify: str) -> None:
-    # Steps alternate over (prompt, block) so every (prompt, B), (B, steps) and (prompt, steps) pair occurs.
-    steps = 1 + (list(PROMPTS).index(name) + BLOCK_SIZES.index(block)) % 2
+                                      block: int) -> None:
+    # Steps alternate over (prompt, block) so every (prompt, B), (B, steps) and (prompt, steps) pair
+    # occurs; the verify length alternates over pairs of block sizes, so every prompt and every B
+    # runs with both.
+    p, b = list(PROMPTS).index(name), BLOCK_SIZES.index(block)
+    steps = 1 + (p + b) % 2
+    verify = ("full", "adaptive")[(p + b // 2) % 2]
     ref = refs[name]
     cfg = GenerationConfig(max_new_tokens=RANDOM_TOKENS, block_size=block, steps=steps, verify=verify)
     events, fin = run(engine, ref.prompt, cfg)

@@ -270,3 +270,10 @@ def test_drafts_past_the_verified_prefix_are_shown_as_not_verified() -> None:
     markup = step.step_html(step.StepResult(events=[ev]), Session())
     assert markup.count("· not verified") == 2 and markup.count("✗ rejected") == 1
     assert "checked the first 2" in markup
+
+    from app import teach
+
+    sentence = teach.describe_block(ev)
+    assert "2 more drafts it was unsure of" in sentence and "replaced the 2nd" in sentence
+    assert "dropped" not in sentence  # nothing after the rejection was verified, so nothing was dropped
+    assert "all 1 and added a bonus" in teach.describe_block(full)

@@ -106,8 +106,13 @@ def test_calibration_on_the_real_target(target) -> None:
 @pytest.fixture(scope="module")
 def shipped_engine(target) -> Engine:
     drafter: DFlashDrafter = load_drafter(SHIPPED_DRAFTER, device=target.device, dtype=target.dtype)
-    engine = Engine(target, drafter)
-    return engine
+    return Engine(target, drafter)
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(shipped_engine: Engine) -> list[list[int]]:
+    cfg = GenerationConfig(max_new_tokens=40)
+    return [finish(shipped_engine.generate(p, cfg, plain=True)).token_ids for p in PROMPTS]
 
 
 PROMPTS = [
@@ -121,18 +126,17 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("block", [2, 4, 8, 16])
-def test_adaptive_output_is_plain_greedy_output(target, shipped_engine: Engine, block: int,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_adaptive_output_is_plain_greedy_output(target, shipped_engine: Engine, plain_outputs: list[list[int]],
+                                                block: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # A fixed CPU-shaped table, so the choices do not depend on this machine's timing noise.
     monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
     cfg = GenerationConfig(max_new_tokens=40, block_size=block, verify="adaptive")
     shorter = fewer_drafted = 0
-    for prompt in PROMPTS:
-        plain = finish(shipped_engine.generate(prompt, cfg, plain=True))
+    for prompt, plain in zip(PROMPTS, plain_outputs, strict=True):
         events, fin = run(shipped_engine, prompt, cfg)
         check_events(events, fin, prompt_len=fin.prompt_tokens, max_new=40, block=block,
                      eos=target.eos_ids, full=False)
-        assert fin.token_ids == plain.token_ids
+        assert fin.token_ids == plain
         shorter += sum(ev.checked < len(ev.draft) for ev in events[1:])
         fewer_drafted += sum(len(ev.draft) + 1 < block for ev in events[1:])
     if block > 2:  # with B = 2 there is one draft token: nothing to choose

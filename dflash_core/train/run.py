@@ -238,6 +238,74 @@ def save_checkpoint(out: Path, drafter: DFlashDrafter, opt: torch.optim.Optimize
     save_state(out / STATE_NAME, drafter, opt, sched, info)
 
 
+def prepare_data(args: argparse.Namespace, target: Any, folders: list[Path], on_cuda: bool,
+                 progress: bool) -> tuple[list[Sample], list[Sample], list[Sample], dict[str, Any]]:
+    """Optionally regenerate more replies (`--generate`, into the first folder or `--gen-out`, which
+    joins `folders`), then load every sample: (all, held out, training, the report's data entry)."""
+    gen_stats = None
+    if args.generate:
+        gen_out = Path(args.gen_out) if args.gen_out else folders[0]
+        if gen_out not in folders:
+            folders.insert(0, gen_out)
+        have = len({s["id"] for s in iter_samples(gen_out)}) if gen_out.exists() else 0
+        deadline = time.time() + args.gen_minutes * 60 if args.gen_minutes else None
+        gen_batch = args.gen_batch or (256 if on_cuda else 16)
+        gen_stats = generate_into(
+            target, gen_out, source=args.source, limit=have + args.generate, batch_size=gen_batch,
+            shard_size=max(64, 2 * gen_batch), max_new_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, from_end=args.from_end, deadline=deadline,
+            progress=progress)
+        gen_stats["batch"] = gen_batch
+    samples = [s for s in load_samples([f for f in folders if f.exists()]) if len(s.ids) > s.prompt_len + 1]
+    held = [s for s in samples if is_heldout(s.id, args.holdout_percent)]
+    train_samples = [s for s in samples if not is_heldout(s.id, args.holdout_percent)]
+    data = {"folders": [str(f) for f in folders], "samples": len(samples),
+            "reply_tokens": sum(len(s.ids) - s.prompt_len for s in samples),
+            "tokens": sum(len(s.ids) for s in samples),
+            "train_samples": len(train_samples), "heldout_samples": len(held),
+            "answer_samples": sum(s.greedy is not None for s in samples),
+            "answer_tokens": sum(len(s.ids) - s.prompt_len for s in samples if s.greedy is not None),
+            "shards": sum(len(shard_paths(f)) for f in folders if f.exists()), "generated": gen_stats}
+    return samples, held, train_samples, data
+
+
+def make_drafter(args: argparse.Namespace, target: Any, out: Path,
+                 say: Any) -> tuple[DFlashDrafter, list[int], dict[str, Any] | None]:
+    """The drafter to train: resumed from `out` (`--resume`; its shape wins over the flags) or
+    built fresh (`--init`). Returns it, its target layers, and the resumed training state."""
+    state_path = out / STATE_NAME
+    if args.resume and state_path.exists():
+        cfg = DFlashConfig.from_dict(json.loads((out / CONFIG_NAME).read_text()))
+        drafter = DFlashDrafter(cfg)
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        drafter.load_state_dict(state["model"])
+        for name in ("block_size", "num_layers"):
+            have_v = cfg.block_size if name == "block_size" else cfg.num_hidden_layers
+            if getattr(args, name) != have_v:
+                say(f"[train] --resume: keeping the checkpoint's {name} {have_v} (not {getattr(args, name)})")
+                setattr(args, name, have_v)
+        return drafter, list(cfg.target_layer_ids), state
+    layer_ids = ([int(x) for x in args.target_layers.split(",")] if args.target_layers
+                 else default_target_layer_ids(target.num_layers, args.num_layers))
+    drafter = build_drafter(target, layer_ids, num_layers=args.num_layers, block_size=args.block_size,
+                            mask_token_id=args.mask_token_id, init=args.init, fc_init=args.fc_init, seed=args.seed)
+    return drafter, layer_ids, None
+
+
+def evaluate_into(report: dict[str, Any], drafter: DFlashDrafter, target: Any, held_eval: list[Sample],
+                  args: argparse.Namespace, layer_ids: list[int], autocast: torch.dtype | None,
+                  progress: bool) -> None:
+    """The end-of-run numbers: held-out accuracy (teacher forced) and tau with real speculative
+    decoding on the evaluation prompt sets, and the hardware they were measured on."""
+    if held_eval:
+        report["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids, autocast)
+    sets = [s for s in args.eval_prompts.split(",") if s and s != "none"]
+    if sets and args.eval_limit > 0:
+        report["tau"] = speculative_eval(drafter.eval(), target, sets, args.eval_limit, args.eval_max_new_tokens,
+                                         progress)
+    report["hardware"] = hardware(target.device)
+
+
 def run_train(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -279,53 +347,13 @@ def run_train(args: argparse.Namespace) -> int:
                               "target_dtype": str(target.dtype).removeprefix("torch."), "features": features_mode,
                               "autocast": None if autocast is None else "bfloat16"}
 
-    # ----- (a) data top-up -----
-    gen_stats = None
-    if args.generate:
-        gen_out = Path(args.gen_out) if args.gen_out else folders[0]
-        if gen_out not in folders:
-            folders.insert(0, gen_out)
-        have = len({s["id"] for s in iter_samples(gen_out)}) if gen_out.exists() else 0
-        deadline = time.time() + args.gen_minutes * 60 if args.gen_minutes else None
-        gen_batch = args.gen_batch or (256 if on_cuda else 16)
-        gen_stats = generate_into(
-            target, gen_out, source=args.source, limit=have + args.generate, batch_size=gen_batch,
-            shard_size=max(64, 2 * gen_batch), max_new_tokens=args.max_new_tokens,
-            max_prompt_tokens=args.max_prompt_tokens, seed=args.seed, from_end=args.from_end, deadline=deadline,
-            progress=progress)
-        gen_stats["batch"] = gen_batch
-    samples = [s for s in load_samples([f for f in folders if f.exists()]) if len(s.ids) > s.prompt_len + 1]
-    held = [s for s in samples if is_heldout(s.id, args.holdout_percent)]
-    train_samples = [s for s in samples if not is_heldout(s.id, args.holdout_percent)]
-    reply_tokens = sum(len(s.ids) - s.prompt_len for s in samples)
-    report["data"] = {"folders": [str(f) for f in folders], "samples": len(samples),
-                      "reply_tokens": reply_tokens, "tokens": sum(len(s.ids) for s in samples),
-                      "train_samples": len(train_samples), "heldout_samples": len(held),
-                      "answer_samples": sum(s.greedy is not None for s in samples),
-                      "answer_tokens": sum(len(s.ids) - s.prompt_len for s in samples if s.greedy is not None),
-                      "shards": sum(len(shard_paths(f)) for f in folders if f.exists()), "generated": gen_stats}
-    say(f"[train] data: {len(samples)} samples ({reply_tokens} reply tokens), {len(held)} held out", flush=True)
+    # ----- (a) data: top-up, then the samples -----
+    samples, held, train_samples, report["data"] = prepare_data(args, target, folders, on_cuda, progress)
+    say(f"[train] data: {len(samples)} samples ({report['data']['reply_tokens']} reply tokens), "
+        f"{len(held)} held out", flush=True)
 
     # ----- (b) the drafter: fresh or resumed -----
-    resumed = None
-    if args.resume and state_path.exists():
-        cfg = DFlashConfig.from_dict(json.loads((out / CONFIG_NAME).read_text()))
-        drafter = DFlashDrafter(cfg)
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-        drafter.load_state_dict(state["model"])
-        resumed = state
-        for name in ("block_size", "num_layers"):
-            have_v = cfg.block_size if name == "block_size" else cfg.num_hidden_layers
-            if getattr(args, name) != have_v:
-                say(f"[train] --resume: keeping the checkpoint's {name} {have_v} (not {getattr(args, name)})")
-                setattr(args, name, have_v)
-        layer_ids = list(cfg.target_layer_ids)
-    else:
-        layer_ids = ([int(x) for x in args.target_layers.split(",")] if args.target_layers
-                     else default_target_layer_ids(target.num_layers, args.num_layers))
-        drafter = build_drafter(target, layer_ids, num_layers=args.num_layers, block_size=args.block_size,
-                                mask_token_id=args.mask_token_id, init=args.init, fc_init=args.fc_init,
-                                seed=args.seed)
+    drafter, layer_ids, resumed = make_drafter(args, target, out, say)
     drafter = drafter.to(target.device, torch.float32).train()  # fp32 master weights; autocast for speed
     # Held-out accuracy on the target's own replies where there are some: what inference sees.
     held_eval = ([s for s in held if s.greedy is None] or held)[: args.eval_seqs]
@@ -482,13 +510,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"[train] {steps_this_run} steps in {loop_s:.0f}s (stop: {stop_reason}); checkpoint in {out}", flush=True)
 
     # ----- (d) evaluation -----
-    if held_eval:
-        report["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids, autocast)
-    sets = [s for s in args.eval_prompts.split(",") if s and s != "none"]
-    if sets and args.eval_limit > 0:
-        report["tau"] = speculative_eval(drafter.eval(), target, sets, args.eval_limit, args.eval_max_new_tokens,
-                                         progress)
-    report["hardware"] = hardware(target.device)
+    evaluate_into(report, drafter, target, held_eval, args, layer_ids, autocast, progress)
     report["wall_seconds"] = round(time.time() - t_start, 1)
     report["args"] = info_base["args"]
     (out / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
