@@ -34,7 +34,7 @@ import torch
 
 from .config import VERIFY_MODES
 
-MIN_DRAFT_LENGTH = 4  # anchor + 3 drafts: shorter saves no drafter time on any machine measured
+MIN_DRAFT_LENGTH = 4  # anchor + 3 drafts: a floor to grow back from; this short, the draft's fixed cost dominates
 RECENT_BLOCKS = 8
 CALIBRATION_CONTEXT = 128  # tokens of context the verify passes are timed after
 CALIBRATION_REPEATS = 3
