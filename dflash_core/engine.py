@@ -274,7 +274,6 @@ class Engine:
                 pick = sample(probs, gen)
                 conf = probs.gather(-1, pick[:, None])[:, 0]
                 order = torch.where(fixed, float("-inf"), -torch.arange(n, device=dev, dtype=torch.float))
-                q_sub = probs if q_sub is None else q_sub
             if confidence is None:  # first step, before any token is drawn (see verify_length)
                 confidence = conf if cfg.greedy else probs.max(-1).values
             guess = pick if vocab is None else vocab[pick]
@@ -286,8 +285,8 @@ class Engine:
             done = n_fixed
             tokens[1:] = torch.where(newly, guess, tokens[1:])
             chosen_p = torch.where(newly, conf, chosen_p)
-            if not cfg.greedy:
-                q_sub = torch.where(newly[:, None], probs, q_sub)
+            if not cfg.greedy:  # each row: q of the step that fixed its position (step 1 fills them all first)
+                q_sub = probs if q_sub is None else torch.where(newly[:, None], probs, q_sub)
             fixed = fixed | newly
             history.append((guess.clone(), conf.clone(), fixed.clone()))
         q = None

@@ -29,10 +29,14 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .config import VERIFY_MODES
+
+if TYPE_CHECKING:  # targets.py imports this module
+    from .targets import Target
 
 MIN_DRAFT_LENGTH = 4  # anchor + 3 drafts: a floor to grow back from; this short, the draft's fixed cost dominates
 RECENT_BLOCKS = 8
@@ -107,7 +111,7 @@ def calibration_sizes(max_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def measure_verify_cost(target: object, layer_ids: list[int] | None, max_tokens: int) -> VerifyCost:
+def measure_verify_cost(target: Target, layer_ids: list[int] | None, max_tokens: int) -> VerifyCost:
     """Time the target's passes over 1..max_tokens tokens after a short context, as the engine
     calls them (with the drafter's feature layers). Sizes are interleaved over the repeats, so a
     change in the machine's load lands on all of them alike; the fastest repeat is kept.
