@@ -78,6 +78,7 @@ def test_answers_cli_writes_resumable_shards_and_reusable_features(tmp_path: Pat
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == 5 and manifest["prompt_filter"]["skipped"] == 1
     assert manifest["prompt_filter"]["no_answer"] == 1 and 0 < manifest["agreement"] <= 1
+    assert manifest["label_dtypes"] == {"float32": 5}  # which precision labelled them, for the card
     for s in got:
         assert len(s["greedy_ids"]) == len(s["response_ids"]) and s["response_ids"][-1] in target.eos_ids
     # Training's feature pass finds every shard done (same layers, same ids) and rewrites nothing.
