@@ -12,8 +12,11 @@ Why it exists, measured on SmolLM2-135M with 2 CPU threads:
   Packing the weights once at load (MKL's packed GEMM, which torch.compile's CPU freezing also
   uses) brings that to ~1.2x and ~1.7x. That is what makes verifying a drafted block cheap.
 Packing keeps a second copy of the linear weights, so it is skipped when memory is short; it is
-also checked against `F.linear` once per process, since MKL documents the packed format for the
-batch size it was packed for and we use it for every batch size.
+also checked against `F.linear` (once per process, and on the model's own shapes), since MKL
+documents the packed format for the batch size it was packed for and we use it for every one.
+
+The lean path reads the weights as they were when it was built (packed copies are copies): a
+caller that changes the model's weights or dtype afterwards must build a new `Target`.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,14 +62,24 @@ def unsupported_reason(model: Any) -> str | None:
     devices = set((getattr(model, "hf_device_map", None) or {}).values())
     if len(devices) > 1:
         return "the model is spread over several devices"
+    if getattr(cfg, "quantization_config", None) is not None:
+        return "a quantized model"
     inner = getattr(model, "model", None)
-    layer = getattr(inner, "layers", [None])[0]
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or not all(
-        hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")
-    ):
-        return "unexpected module layout"
+    for layer in getattr(inner, "layers", [None]):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        # Only plain float Linear layers: quantized, LoRA-wrapped or otherwise patched projections
+        # compute something the lean path would not.
+        if not all(_plain_linear(getattr(owner, n, None)) for owner, n in names):
+            return "projections that are not plain float nn.Linear layers (quantized or wrapped?)"
+    if not _plain_linear(getattr(model, "lm_head", None)):
+        return "an LM head that is not a plain float nn.Linear"
     return None
+
+
+def _plain_linear(module: Any) -> bool:
+    return type(module) is torch.nn.Linear and module.weight.is_floating_point()
 
 
 @functools.cache
@@ -90,10 +104,23 @@ def mkl_packing_works() -> bool:
 
 
 def _available_memory() -> int:
+    """Bytes this process can still take: the kernel's MemAvailable (free + reclaimable cache),
+    capped by a cgroup v2 memory limit when there is one (containers, Spaces); 0 if unknown."""
+    avail = 0
     try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
         return 0
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = min(avail, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return max(avail, 0)
 
 
 @dataclass
@@ -189,8 +216,36 @@ class FastForward:
             ))
         self.final_norm = _norm(inner.norm, eps)
         self.head = _linear(model.lm_head, pack)
+        if pack and not self._packed_shapes_agree():
+            self.packed = False
+            for lin in self._linears():
+                lin.packed = None
         self.rotary = inner.rotary_emb
         self.cos = self.sin = weight.new_zeros((0, self.head_dim))
+        # transformers reports the last layer's output after the final norm unless a config
+        # says otherwise (a few vision models do).
+        self.norm_last_hidden = getattr(cfg, "tie_last_hidden_states", None) is not False
+
+    def _linears(self) -> list[Linear]:
+        return [*(lin for la in self.layers for lin in (la.q, la.k, la.v, la.o, la.gate, la.up, la.down)),
+                self.head]
+
+    @torch.inference_mode()
+    def _packed_shapes_agree(self) -> bool:
+        """The packed weights of this model's own shapes (one of each) agree with F.linear at the
+        row counts the engine uses: MKL's blocking depends on the shape, so a small probe matrix
+        (`mkl_packing_works`) does not prove it for these."""
+        gen = torch.Generator().manual_seed(0)
+        seen: set[tuple[int, ...]] = set()
+        for lin in self._linears():
+            if lin.packed is None or tuple(lin.weight.shape) in seen:
+                continue
+            seen.add(tuple(lin.weight.shape))
+            for rows in (PACKED_MIN_ROWS, PACK_BATCH_HINT, PACK_BATCH_HINT + 1, 64):
+                x = torch.randn(rows, lin.weight.shape[1], generator=gen)
+                if not torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4):
+                    return False
+        return True
 
     def _rope(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions [0, end), computed by the model's own rotary module (so
@@ -207,6 +262,10 @@ class FastForward:
         self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None = None,
         last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if ids.shape[0] != 1:
+            raise ValueError(f"the lean forward runs batch size 1, got {ids.shape[0]} rows")
+        if layer_ids is not None and not all(0 <= i < len(self.layers) for i in layer_ids):
+            raise ValueError(f"layer ids {layer_ids} out of range for {len(self.layers)} layers")
         n = ids.shape[1]
         start = cache.length
         end = start + n
@@ -245,8 +304,7 @@ class FastForward:
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
             if i in wanted:
                 feats[i] = x
-        if len(self.layers) - 1 in wanted:
-            # transformers reports the last layer's output after the final norm.
+        if len(self.layers) - 1 in wanted and self.norm_last_hidden:
             feats[len(self.layers) - 1] = x = self.final_norm(x)
             x = x[-1:] if last_only else x
         else:

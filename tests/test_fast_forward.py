@@ -27,13 +27,21 @@ from dflash_core.targets import Target
 from tests.conftest import finish
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+KINDS = ["llama", "llama-mha-yarn", "llama3-mqa", "qwen2", "qwen3"]
 
 
 def tiny(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**COMMON, attention_bias=True, mlp_bias=True))
+    elif kind == "llama-mha-yarn":  # yarn is the rope variant whose attention scaling is not 1
+        rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+        model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_key_value_heads": 4}, rope_parameters=rope))
+    elif kind == "llama3-mqa":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+        model = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_key_value_heads": 1}, rope_parameters=rope))
     elif kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**COMMON))
     elif kind == "qwen3":  # head_dim 24 is not hidden / heads (16), as in real Qwen3 configs
@@ -51,21 +59,43 @@ def wrap(model: torch.nn.Module, fast: bool) -> Target:
                   dtype=torch.float32, fast=fast)
 
 
-def passes(target: Target, layers: list[int]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """Prefill, one token, a block of 4 after it, then a rollback and a different block of 3."""
+def lean_target(model: torch.nn.Module, pack: bool) -> Target:
+    t = wrap(model, fast=False)
+    t.fast_path = FastForward(model, pack=pack)  # force the packing choice under test
+    assert t.fast_path.packed is pack
+    return t
+
+
+def passes(target: Target, layers: list[int], prefill: int = 9,
+           other: Target | None = None) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Prefill, one token, a block of 4 after it, then a rollback, a block of 3 and a last-only
+    pass. With `other`, every second pass runs through `other` on the same cache."""
     gen = torch.Generator().manual_seed(1)
-    cache = target.new_cache(64)
-    out = [target.forward(torch.randint(0, 97, (1, 9), generator=gen), cache, layers)]
-    out.append(target.forward(torch.randint(0, 97, (1, 1), generator=gen), cache, layers))
-    out.append(target.forward(torch.randint(0, 97, (1, 4), generator=gen), cache, layers))
-    cache.truncate(11)
+    cache = target.new_cache(prefill + 16)
+    sizes = [prefill, 1, 4]
+    out = []
+    for k, n in enumerate(sizes):
+        runner = other if other is not None and k % 2 else target
+        out.append(runner.forward(torch.randint(0, 97, (1, n), generator=gen), cache, layers))
+    cache.truncate(prefill + 2)
     out.append(target.forward(torch.randint(0, 97, (1, 3), generator=gen), cache, layers))
-    out.append(target.forward(torch.randint(0, 97, (1, 2), generator=gen), cache, None, last_only=True))
-    assert cache.length == 16
+    runner = other if other is not None else target
+    out.append(runner.forward(torch.randint(0, 97, (1, 2), generator=gen), cache, layers, last_only=True))
+    assert cache.length == prefill + 7 and out[-1][0].shape[0] == 1
     return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def assert_same(ref: list, got: list) -> None:
+    for (a, fa), (b, fb) in zip(ref, got, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        if fa is None:
+            assert fb is None
+        else:
+            torch.testing.assert_close(fb, fa, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("pack", [False, True])
 def test_tiny_models_match_transformers(kind: str, pack: bool) -> None:
     if pack and not mkl_packing_works():
@@ -73,17 +103,31 @@ def test_tiny_models_match_transformers(kind: str, pack: bool) -> None:
     model = tiny(kind)
     assert unsupported_reason(model) is None
     ref = wrap(model, fast=False)
-    lean = wrap(model, fast=False)
-    lean.fast_path = FastForward(model, pack=pack)  # force the packing choice under test
-    assert ref.fast_path is None and lean.fast_path.packed is pack
+    assert ref.fast_path is None
     layers = [0, 2]  # the last layer too: transformers reports it after the final norm
-    for (a, fa), (b, fb) in zip(passes(ref, layers), passes(lean, layers), strict=True):
-        assert a.shape == b.shape
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-        if fa is None:
-            assert fb is None
-        else:
-            torch.testing.assert_close(fb, fa, rtol=1e-4, atol=1e-4)
+    assert_same(passes(ref, layers), passes(lean_target(model, pack), layers))
+
+
+@pytest.mark.parametrize("kind", ["llama-mha-yarn", "qwen3"])
+def test_long_context_and_mixed_paths_on_one_cache(kind: str) -> None:
+    """A 300-token prefill (the RoPE table grows past its first 256 rows; the packed GEMM runs
+    with many rows), and the lean and transformers paths taking turns on one cache."""
+    model = tiny(kind)
+    ref = wrap(model, fast=False)
+    lean = lean_target(model, pack=mkl_packing_works())
+    assert_same(passes(ref, [1], prefill=300), passes(lean, [1], prefill=300))
+    assert_same(passes(ref, [1], prefill=300), passes(lean, [1], prefill=300, other=ref))
+
+
+def test_bf16_target_stays_close_to_transformers_bf16() -> None:
+    model = tiny("qwen3").to(torch.bfloat16)
+    ref = Target(model=model, tokenizer=None, name="tiny", device=torch.device("cpu"), dtype=torch.bfloat16,
+                 fast=False)
+    lean = Target(model=model, tokenizer=None, name="tiny", device=torch.device("cpu"), dtype=torch.bfloat16,
+                  fast=True)
+    assert lean.fast_path is not None and not lean.fast_path.packed  # MKL packing is fp32 only
+    for (a, _), (b, _) in zip(passes(ref, [1]), passes(lean, [1]), strict=True):
+        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
 
 
 def test_packed_linear_matches_f_linear_for_every_row_count() -> None:
@@ -113,6 +157,24 @@ def test_unsupported_models_fall_back_with_a_reason(monkeypatch: pytest.MonkeyPa
                                                                       "rope_theta": 10000.0}))
     assert "dynamic" in unsupported_reason(dynamic)
 
+    class Adapted(torch.nn.Linear):  # stands for a LoRA / quantized layer: a Linear that computes more
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2.0
+
+    wrapped = tiny("llama")
+    old = wrapped.model.layers[1].mlp.up_proj
+    wrapped.model.layers[1].mlp.up_proj = Adapted(old.in_features, old.out_features, bias=old.bias is not None)
+    assert "not plain float nn.Linear" in unsupported_reason(wrapped)
+    assert wrap(wrapped, fast=True).fast_path is None
+    wrapped.config.quantization_config = {"quant_method": "gptq"}
+    assert "quantized" in unsupported_reason(wrapped)
+
+    lean = wrap(tiny("llama"), fast=True)
+    with pytest.raises(ValueError, match="batch size 1"):
+        lean.forward(torch.zeros((2, 3), dtype=torch.long), lean.new_cache(8))
+    with pytest.raises(ValueError, match="out of range"):
+        lean.forward(torch.zeros((1, 3), dtype=torch.long), lean.new_cache(8), [3])
+
     llama = tiny("llama")
     monkeypatch.setenv("DFLASH_FAST_TARGET", "0")
     assert wrap(llama, fast=None).fast_path is None
@@ -126,6 +188,7 @@ def test_unsupported_models_fall_back_with_a_reason(monkeypatch: pytest.MonkeyPa
 def test_embedded_target_takes_the_lean_path_and_decodes_the_same(target: Target) -> None:
     """Greedy plain decoding through the engine gives the same tokens with either forward."""
     assert target.fast_path is not None, target.fast_path_note
+    assert target.fast_path.packed == mkl_packing_works()
     hf = Target(model=target.model, tokenizer=target.tokenizer, name=target.name, device=target.device,
                 dtype=target.dtype, fast=False)
     prompts = ["Write a Python function that reverses a list.",
