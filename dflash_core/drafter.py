@@ -22,6 +22,7 @@ from torch import nn
 
 from .cache import DraftCache
 from .errors import DFlashError
+from .fast_forward import PackingLinear
 
 WEIGHTS_NAME = "model.safetensors"
 # Optional: the token ids the drafter drafts from (a JSON list). Not a weight file, so engines that
@@ -177,10 +178,10 @@ class DraftAttention(nn.Module):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, hd
-        self.q_proj = nn.Linear(h, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(h, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(h, self.n_kv * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, h, bias=False)
+        self.q_proj = PackingLinear(h, self.n_heads * hd, bias=False)
+        self.k_proj = PackingLinear(h, self.n_kv * hd, bias=False)
+        self.v_proj = PackingLinear(h, self.n_kv * hd, bias=False)
+        self.o_proj = PackingLinear(self.n_heads * hd, h, bias=False)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
 
@@ -211,9 +212,9 @@ class DraftAttention(nn.Module):
 class DraftMLP(nn.Module):
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = PackingLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = PackingLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = PackingLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -21,6 +21,7 @@ from .config import GenerationConfig
 from .drafter import DFlashDrafter, check_fit
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
+from .fast_forward import Linear, pack_weight
 from .targets import Target
 from .verify import draw_uniforms, greedy_accept, logits_to_probs, sample, speculative_accept
 from .verify_length import VerifyCost, choose_verify_length, measure_verify_cost, next_draft_length, resolve_mode
@@ -76,22 +77,23 @@ class Engine:
             cost = self.target.verify_cost = measure_verify_cost(self.target, layer_ids, max(block, 16))
         return cost
 
-    def _draft_vocab_head(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
-        """(token ids, their LM-head rows, bias) when the drafter drafts from a vocabulary subset
-        (`DFLASH_DRAFT_VOCAB=0` turns it off: draft over the whole vocabulary)."""
+    def _draft_vocab_head(self) -> tuple[torch.Tensor, Linear] | None:
+        """(token ids, their LM-head rows as a layer, MKL-packed like the target's) when the
+        drafter drafts from a vocabulary subset (`DFLASH_DRAFT_VOCAB=0` turns it off: draft over
+        the whole vocabulary)."""
         vocab = None if self.drafter is None else self.drafter.draft_vocab
         if vocab is None or os.environ.get("DFLASH_DRAFT_VOCAB", "1") == "0":
             return None
         weight, bias = self.target.lm_head_rows(vocab)
-        return vocab.to(weight.device), weight, bias
+        packed = pack_weight(weight) if self.target.fast_path is not None and self.target.fast_path.packed else None
+        return vocab.to(weight.device), Linear(weight, bias, packed)
 
     def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 drafter logits [n, Vd] over the draft vocabulary (all V tokens without one).
         Drafts (greedy or sampled) come only from it; softmax, sampling and q stay that small."""
         if self._draft_head is None:
             return self.target.lm_head(hidden).float()
-        _, weight, bias = self._draft_head
-        return torch.nn.functional.linear(hidden, weight, bias).float()
+        return self._draft_head[1](hidden).float()
 
     # ----- prompts -----
 

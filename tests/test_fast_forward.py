@@ -7,6 +7,8 @@ shipped default, down to greedy decoding through the engine.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +24,14 @@ from transformers import (
 )
 
 from dflash_core import Engine, GenerationConfig
-from dflash_core.fast_forward import PACK_BATCH_HINT, FastForward, Linear, mkl_packing_works, unsupported_reason
+from dflash_core.fast_forward import (
+    PACK_BATCH_HINT,
+    FastForward,
+    Linear,
+    PackingLinear,
+    mkl_packing_works,
+    unsupported_reason,
+)
 from dflash_core.targets import Target
 from tests.conftest import finish
 
@@ -205,3 +214,25 @@ def test_embedded_target_takes_the_lean_path_and_decodes_the_same(target: Target
         hf_out = finish(Engine(hf, None).generate(messages, cfg, plain=True)).token_ids
         assert len(lean_out) >= 10
         assert lean_out == hf_out, prompt
+
+
+def test_packing_linear_tracks_its_weight_and_trains_like_nn_linear() -> None:
+    """The drafter's layers: packed at inference, re-packed after an optimizer step changes the
+    weight in place (training evaluates the live drafter), plain autograd while training."""
+    torch.manual_seed(0)
+    layer = PackingLinear(32, 48, bias=True)
+    x = torch.randn(2, 8, 32)  # 16 rows: the packed path when MKL packing works
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
+        assert (layer._packed is not None) == mkl_packing_works()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.5)
+    loss = layer(x).square().mean()
+    loss.backward()  # autograd through the plain path
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    opt.step()
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
+        y = layer(x[:, :1])  # 2 rows: below the packed path's minimum, same maths
+        torch.testing.assert_close(y, F.linear(x[:, :1], layer.weight, layer.bias))
+        twin = copy.deepcopy(layer)  # the opaque packed copy is left behind, and rebuilt
+        torch.testing.assert_close(twin(x), layer(x), rtol=1e-4, atol=1e-4)
