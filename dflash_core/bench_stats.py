@@ -110,6 +110,7 @@ class MethodLike(Protocol):
     kind: str
     block_size: int | None
     steps: int | None
+    verify: str | None
 
 
 def accept_histogram(accepted: Sequence[int], block_size: int) -> list[int]:
@@ -157,7 +158,7 @@ def method_stats(m: MethodLike, runs: Sequence[RunResult], base: Sequence[RunRes
     tokens, seconds = sum(len(r.ids) for r in runs), sum(r.seconds for r in runs)
     cost = _per_token_s(runs)
     s: dict[str, Any] = {
-        "kind": m.kind, "block_size": m.block_size, "steps": m.steps, "verify": getattr(m, "verify", None),
+        "kind": m.kind, "block_size": m.block_size, "steps": m.steps, "verify": m.verify,
         "tokens": tokens, "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
         "tokens_per_s_median": statistics.median(rates) if rates else 0.0,

@@ -93,13 +93,20 @@ def mkl_packing_works() -> bool:
         w = torch.randn(96, 64, generator=gen)
         b = torch.randn(96, generator=gen)
         packed = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT)
-        for m in (1, 2, 3, 4, 7, 16, 40):
-            x = torch.randn(m, 64, generator=gen)
-            got = torch.ops.mkl._mkl_linear(x, packed, w, b, m)
-            if not torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
-                return False
+        return _packed_agrees(w, b, packed, (1, 2, 3, 4, 7, 16, 40), gen)
     except (RuntimeError, AttributeError):
         return False
+
+
+def _packed_agrees(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
+                   rows: tuple[int, ...], gen: torch.Generator) -> bool:
+    """The packed GEMM gives F.linear's result (to fp32 rounding) for random inputs of these
+    row counts."""
+    for m in rows:
+        x = torch.randn(m, weight.shape[1], generator=gen)
+        got = torch.ops.mkl._mkl_linear(x, packed, weight, bias, m)
+        if not torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4):
+            return False
     return True
 
 
@@ -130,10 +137,16 @@ class Linear:
     packed: torch.Tensor | None = None  # MKL packed copy of `weight`, CPU fp32 only
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
-            # The last argument tells MKL that `packed` is laid out for this many rows.
-            return torch.ops.mkl._mkl_linear(x, self.packed, self.weight, self.bias, x.shape[0])
-        return F.linear(x, self.weight, self.bias)
+        return _matmul(x, self.weight, self.bias, self.packed)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            packed: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] times the weight, through the packed copy when there is one and enough rows."""
+    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
+        # The last argument tells MKL that `packed` is laid out for this many rows.
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
@@ -169,10 +182,7 @@ class PackingLinear(torch.nn.Linear):
         key = (w.data_ptr(), -1 if w.is_inference() else w._version)
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, pack_weight(self.weight))
-        packed = self._packed[1]
-        if packed is None:
-            return super().forward(x)
-        out = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), packed, self.weight, self.bias, rows)
+        out = _matmul(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self._packed[1])
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -233,13 +243,11 @@ class FastForward:
         self.scale = self.head_dim**-0.5
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         weight = inner.embed_tokens.weight
-        if pack is None:
+        if pack is None:  # where packing applies at all (CPU fp32, MKL) `pack_weight` decides
             linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                                if n.endswith("proj.weight"))
             linear_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-            pack = (weight.device.type == "cpu" and weight.dtype == torch.float32
-                    and linear_bytes < _available_memory() // 2 and mkl_packing_works())
-        self.packed = bool(pack)
+            pack = linear_bytes < _available_memory() // 2
         self.embed = weight.detach()
         self.layers = []
         for block in inner.layers:
@@ -255,8 +263,7 @@ class FastForward:
             ))
         self.final_norm = _norm(inner.norm, eps)
         self.head = _linear(model.lm_head, pack)
-        if pack and not self._packed_shapes_agree():
-            self.packed = False
+        if self.packed and not self._packed_shapes_agree():
             for lin in self._linears():
                 lin.packed = None
         self.rotary = inner.rotary_emb
@@ -264,6 +271,10 @@ class FastForward:
         # transformers reports the last layer's output after the final norm unless a config
         # says otherwise (a few vision models do).
         self.norm_last_hidden = getattr(cfg, "tie_last_hidden_states", None) is not False
+
+    @property
+    def packed(self) -> bool:
+        return self.head.packed is not None
 
     def _linears(self) -> list[Linear]:
         return [*(lin for la in self.layers for lin in (la.q, la.k, la.v, la.o, la.gate, la.up, la.down)),
@@ -275,15 +286,14 @@ class FastForward:
         row counts the engine uses: MKL's blocking depends on the shape, so a small probe matrix
         (`mkl_packing_works`) does not prove it for these."""
         gen = torch.Generator().manual_seed(0)
+        rows = (PACKED_MIN_ROWS, PACK_BATCH_HINT, PACK_BATCH_HINT + 1, 64)
         seen: set[tuple[int, ...]] = set()
         for lin in self._linears():
             if lin.packed is None or tuple(lin.weight.shape) in seen:
                 continue
             seen.add(tuple(lin.weight.shape))
-            for rows in (PACKED_MIN_ROWS, PACK_BATCH_HINT, PACK_BATCH_HINT + 1, 64):
-                x = torch.randn(rows, lin.weight.shape[1], generator=gen)
-                if not torch.allclose(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-4, atol=1e-4):
-                    return False
+            if not _packed_agrees(lin.weight, lin.bias, lin.packed, rows, gen):
+                return False
         return True
 
     def _rope(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,7 @@ import json
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -75,10 +76,9 @@ FIELDS = ("id", "prompt_ids", "response_ids", "greedy_ids")
 
 
 def _summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    dtypes: dict[str, int] = {}
-    for smp in samples:  # samples from before the field existed were labelled in float32
-        dtypes[smp.get("label_dtype", "float32")] = dtypes.get(smp.get("label_dtype", "float32"), 0) + 1
-    return {"agreement": round(agreement(samples), 4), "label_dtypes": dtypes}
+    # Samples from before the field existed were labelled in float32.
+    dtypes = Counter(smp.get("label_dtype", "float32") for smp in samples)
+    return {"agreement": round(agreement(samples), 4), "label_dtypes": dict(dtypes)}
 
 
 def label_into(target: Any, out: str | Path, *, source: str = "sharegpt", limit: int = 0, shard_size: int = 64,
