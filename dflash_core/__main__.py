@@ -36,6 +36,10 @@ def model_options() -> argparse.ArgumentParser:
                    help="DFlash drafter folder or hub id; 'none' for plain decoding only")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: auto)")
+    g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the target's short passes (verify blocks, plain steps) as CUDA graphs "
+                        "(default: DFLASH_CUDA_GRAPHS=1; not yet measured on a GPU). On a CPU: the same "
+                        "static passes run eagerly, slower, for checking them")
     return p
 
 
@@ -82,7 +86,8 @@ def check_device(device: str | None) -> None:
 
 def load_engine(args: argparse.Namespace, draft: str | None = None) -> Engine:
     check_device(args.device)
-    engine = load(args.target, draft if draft is not None else args.draft, args.device, args.dtype)
+    engine = load(args.target, draft if draft is not None else args.draft, args.device, args.dtype,
+                  graphs=args.cuda_graphs)
     for w in engine.warnings:
         print(f"warning: {w}", file=sys.stderr)
     return engine

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,20 +312,80 @@ class FastForward:
         self, ids: torch.Tensor, cache: TargetCache, layer_ids: list[int] | None = None,
         last_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if ids.shape[0] != 1:
-            raise ValueError(f"the lean forward runs batch size 1, got {ids.shape[0]} rows")
-        if layer_ids is not None and not all(0 <= i < len(self.layers) for i in layer_ids):
-            raise ValueError(f"layer ids {layer_ids} out of range for {len(self.layers)} layers")
+        """Run `ids` [1, n] after what `cache` holds, appending their keys/values to it."""
+        self._check(ids, layer_ids)
         n = ids.shape[1]
         start = cache.length
         end = start + n
         cos, sin = self._rope(end)
-        cos, sin = cos[start:end], sin[start:end]
-        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
-        groups = nh // nkv
+        nkv, groups, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Queries attend to every cached key and causally among themselves; SDPA's is_causal is
         # top-left aligned, so it is only right when nothing is cached yet.
         mask = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril_(start) if n > 1 and start else None
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.layers[i].update(k.unsqueeze(0), v.unsqueeze(0))
+            if n == 1:
+                # One query: fold the query heads of each KV group into the query axis, so
+                # attention runs on the KV heads as stored (no repeat).
+                return F.scaled_dot_product_attention(q.reshape(nkv, groups, hd), keys[0], values[0], scale=self.scale)
+            return F.scaled_dot_product_attention(
+                q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                enable_gqa=groups > 1,
+            )[0]
+
+        return self._layers(ids, cos[start:end], sin[start:end], attend, layer_ids, last_only)
+
+    @torch.inference_mode()
+    def static_forward(
+        self, ids: torch.Tensor, positions: torch.Tensor, cache: TargetCache, rope: tuple[torch.Tensor, torch.Tensor],
+        layer_ids: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` with nothing decided on the host: `positions` [n] is a device tensor, keys
+        and values are written at those positions (`index_copy_`) and queries attend over the
+        cache's whole buffer under a mask built from them, and `rope` is a (cos, sin) table
+        covering the buffer. Same shapes and addresses for every call, so a CUDA graph can
+        replay it (`step_graphs.py`). `cache.length` is left for the caller to advance."""
+        self._check(ids, layer_ids)
+        n = ids.shape[1]
+        first = cache.layers[0]
+        if not first.is_initialized:
+            raise ValueError("the static pass needs a cache that already holds the prompt")
+        nkv, groups, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        # Key j is visible to the query at position p when j <= p: the cached prefix, the
+        # block's earlier tokens and itself; stale keys past the end of the context are masked.
+        mask = torch.arange(first.keys.shape[2], device=ids.device)[None, :] <= positions[:, None]
+        cos, sin = rope[0].index_select(0, positions), rope[1].index_select(0, positions)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            layer = cache.layers[i]
+            layer.keys[0].index_copy_(1, positions, k)
+            layer.values[0].index_copy_(1, positions, v)
+            if n == 1:
+                return F.scaled_dot_product_attention(q.reshape(nkv, groups, hd), layer.keys[0], layer.values[0],
+                                                      attn_mask=mask, scale=self.scale)
+            return F.scaled_dot_product_attention(
+                q.unsqueeze(0), layer.keys, layer.values, attn_mask=mask, scale=self.scale, enable_gqa=groups > 1,
+            )[0]
+
+        return self._layers(ids, cos, sin, attend, layer_ids, last_only=False)
+
+    def _check(self, ids: torch.Tensor, layer_ids: list[int] | None) -> None:
+        if ids.shape[0] != 1:
+            raise ValueError(f"the lean forward runs batch size 1, got {ids.shape[0]} rows")
+        if layer_ids is not None and not all(0 <= i < len(self.layers) for i in layer_ids):
+            raise ValueError(f"layer ids {layer_ids} out of range for {len(self.layers)} layers")
+
+    def _layers(
+        self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        layer_ids: list[int] | None, last_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's maths over `ids` [1, n] with RoPE rows `cos`/`sin` [n, head_dim];
+        `attend(layer, q, k, v)` stores the new keys/values and returns the attention output
+        (how is the caller's: appended at a host length, or written at device positions)."""
+        n = ids.shape[1]
+        nh, nkv, hd = self.num_heads, self.num_kv_heads, self.head_dim
         wanted = set(layer_ids or [])
         feats: dict[int, torch.Tensor] = {}
         x = F.embedding(ids[0], self.embed)
@@ -338,16 +399,7 @@ class FastForward:
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
-            keys, values = cache.layers[i].update(k.unsqueeze(0), v.unsqueeze(0))
-            if n == 1:
-                # One query: fold the query heads of each KV group into the query axis, so
-                # attention runs on the KV heads as stored (no repeat).
-                out = F.scaled_dot_product_attention(q.reshape(nkv, groups, hd), keys[0], values[0], scale=self.scale)
-            else:
-                out = F.scaled_dot_product_attention(
-                    q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                    enable_gqa=groups > 1,
-                )[0]
+            out = attend(i, q, k, v)
             x = x + layer.o(out.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd))
             h = layer.mlp_norm(x)
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))

