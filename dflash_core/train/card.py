@@ -98,7 +98,7 @@ def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] =
                   "| set | prompts | new tokens | method | tau | speed-up | exact | hardware |",
                   "|---|---|---|---|---|---|---|---|", *_bench_rows(bench)]
     lines += ["", "## Limits",
-              "- Trained on a few thousand replies on a 2-core CPU: far below the published DFlash recipe",
+              "- Trained on a 2-core CPU from the data above: far below the published DFlash recipe",
               "  (hundreds of thousands of conversations on GPUs). tau is correspondingly modest; see the",
               "  project README for what limits it and for the GPU training script.",
               "- Output is exact whatever the drafter: a weak drafter costs speed, never correctness.", ""]
