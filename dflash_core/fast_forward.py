@@ -318,21 +318,13 @@ class FastForward:
         start = cache.length
         end = start + n
         cos, sin = self._rope(end)
-        nkv, groups, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Queries attend to every cached key and causally among themselves; SDPA's is_causal is
         # top-left aligned, so it is only right when nothing is cached yet.
         mask = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril_(start) if n > 1 and start else None
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.layers[i].update(k.unsqueeze(0), v.unsqueeze(0))
-            if n == 1:
-                # One query: fold the query heads of each KV group into the query axis, so
-                # attention runs on the KV heads as stored (no repeat).
-                return F.scaled_dot_product_attention(q.reshape(nkv, groups, hd), keys[0], values[0], scale=self.scale)
-            return F.scaled_dot_product_attention(
-                q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=mask is None, scale=self.scale,
-                enable_gqa=groups > 1,
-            )[0]
+            return self._attention(q, keys, values, mask, causal=mask is None)
 
         return self._layers(ids, cos[start:end], sin[start:end], attend, layer_ids, last_only)
 
@@ -347,11 +339,9 @@ class FastForward:
         covering the buffer. Same shapes and addresses for every call, so a CUDA graph can
         replay it (`step_graphs.py`). `cache.length` is left for the caller to advance."""
         self._check(ids, layer_ids)
-        n = ids.shape[1]
         first = cache.layers[0]
         if not first.is_initialized:
             raise ValueError("the static pass needs a cache that already holds the prompt")
-        nkv, groups, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
         # Key j is visible to the query at position p when j <= p: the cached prefix, the
         # block's earlier tokens and itself; stale keys past the end of the context are masked.
         mask = torch.arange(first.keys.shape[2], device=ids.device)[None, :] <= positions[:, None]
@@ -361,14 +351,22 @@ class FastForward:
             layer = cache.layers[i]
             layer.keys[0].index_copy_(1, positions, k)
             layer.values[0].index_copy_(1, positions, v)
-            if n == 1:
-                return F.scaled_dot_product_attention(q.reshape(nkv, groups, hd), layer.keys[0], layer.values[0],
-                                                      attn_mask=mask, scale=self.scale)
-            return F.scaled_dot_product_attention(
-                q.unsqueeze(0), layer.keys, layer.values, attn_mask=mask, scale=self.scale, enable_gqa=groups > 1,
-            )[0]
+            return self._attention(q, layer.keys, layer.values, mask)
 
         return self._layers(ids, cos, sin, attend, layer_ids, last_only=False)
+
+    def _attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                   causal: bool = False) -> torch.Tensor:
+        """Attention of queries q [heads, n, head_dim] over keys/values [1, kv_heads, S, head_dim]
+        under `mask` [n, S] (or SDPA's own causal mask); [heads, n, head_dim]."""
+        nkv, groups, hd = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        if q.shape[1] == 1:
+            # One query: fold the query heads of each KV group into the query axis, so attention
+            # runs on the KV heads as stored (no repeat).
+            return F.scaled_dot_product_attention(q.reshape(nkv, groups, hd), keys[0], values[0], attn_mask=mask,
+                                                  scale=self.scale)
+        return F.scaled_dot_product_attention(q.unsqueeze(0), keys, values, attn_mask=mask, is_causal=causal,
+                                              scale=self.scale, enable_gqa=groups > 1)[0]
 
     def _check(self, ids: torch.Tensor, layer_ids: list[int] | None) -> None:
         if ids.shape[0] != 1:
