@@ -176,7 +176,7 @@ class PackingLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(1, x.shape[-1])
-        if torch.is_grad_enabled() or rows < PACKED_MIN_ROWS:
+        if torch.is_grad_enabled() or rows < PACKED_MIN_ROWS or torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
         # A new tensor, or an in-place update (inference tensors keep no version counter).
         w = self.weight

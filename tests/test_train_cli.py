@@ -14,10 +14,10 @@ from conftest import free_port
 
 from dflash_core.__main__ import main
 from dflash_core.drafter import DFlashDrafter, check_fit, config_for_target, init_weights, load_drafter
-from dflash_core.train.batch import HeadSubset, batch_forward, collate, context_features
+from dflash_core.train.batch import HeadSubset, PaddedBatch, batch_forward, collate, context_features
 from dflash_core.train.data import iter_samples
 from dflash_core.train.recipe import build_blocks, weighted_block_loss
-from dflash_core.train.run import STATE_NAME
+from dflash_core.train.run import STATE_NAME, cpu_has_fast_bf16
 
 QUESTIONS = ["Say hi in French.", "Name three colours.", "What is the capital of Italy?"]
 TRAIN_FLAGS = ["--batch-seqs", "2", "--anchors-per-seq", "4", "--num-layers", "1", "--block-size", "8",
@@ -55,6 +55,7 @@ def test_train_generates_trains_and_reports(trained: Path, target) -> None:
     for r in report["tau"].values():
         assert r["prompts"] == 1 and r["blocks"] >= 1 and 1.0 <= r["tau"] <= 8.0
     assert report["hardware"]["device"] == "cpu" and report["features"] == "cache"
+    assert report["autocast"] == ("bfloat16" if cpu_has_fast_bf16() else None)
     # On CPU the training head defaults to the frequent reply tokens: here all of them (3 tiny replies).
     assert report["train_vocab"]["coverage"] == 1.0
     assert report["train_vocab"]["size"] == len({t for s in samples for t in s["response_ids"]})
@@ -149,22 +150,28 @@ def test_padded_batch_equals_one_sequence_forwards(target) -> None:
     assert whole == pytest.approx(float(num.sum() / den.sum()), rel=1e-5)
 
 
+def tiny_batch(target, drafter_seed: int, data_seed: int, vocab_hi: int, anchors: list[list[int]],
+               lengths: tuple[int, ...]) -> tuple[DFlashDrafter, list[torch.Tensor], PaddedBatch, torch.Tensor]:
+    """A 1-layer, B=8 drafter on target layers [2, 20], random sequences, their padded batch and its features."""
+    cfg = config_for_target(target.config, num_layers=1, block_size=8, mask_token_id=0)
+    cfg.target_layer_ids = [2, 20]
+    drafter = init_weights(DFlashDrafter(cfg), seed=drafter_seed)
+    g = torch.Generator().manual_seed(data_seed)
+    seqs = [torch.randint(100, vocab_hi, (n,), generator=g) for n in lengths]
+    batch = collate(list(zip(seqs, anchors, strict=True)), 8, 0)
+    return drafter, seqs, batch, context_features(target, batch.ids, cfg.target_layer_ids)
+
+
 def test_head_subset_is_the_full_head_restricted(target) -> None:
     """The training-only head gives the full head's logits at the kept tokens, relabels targets
     into the subset, and drops (never mislabels) positions whose token is outside it."""
-    cfg = config_for_target(target.config, num_layers=1, block_size=8, mask_token_id=0)
-    cfg.target_layer_ids = [2, 20]
-    drafter = init_weights(DFlashDrafter(cfg), seed=5)
-    g = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(100, 400, (n,), generator=g) for n in (40, 33)]
-    batch = collate(list(zip(seqs, [[4, 11, 25], [6, 20]], strict=True)), 8, 0)
+    drafter, seqs, batch, feats = tiny_batch(target, 5, 1, 400, [[4, 11, 25], [6, 20]], (40, 33))
     counts = torch.zeros(target.vocab_size)
     counts.index_add_(0, torch.cat(seqs), torch.ones(73))
     head = HeadSubset(counts, 30)  # fewer than the ~60 distinct tokens: some labels fall outside
     assert torch.equal(HeadSubset.from_replies(seqs, target.vocab_size, 30).keep, head.keep)
     assert head.keep.shape[0] == 30 and 0 < head.coverage < 1
     assert counts[head.keep].min() >= counts[counts > 0].sort(descending=True).values[29]
-    feats = context_features(target, batch.ids, cfg.target_layer_ids)
     full = batch_forward(drafter, target, batch, feats)
     sub = batch_forward(drafter, target, batch, feats, head=head)
     inside = head.index[full.labels] >= 0
@@ -172,3 +179,31 @@ def test_head_subset_is_the_full_head_restricted(target) -> None:
     torch.testing.assert_close(sub.logits, full.logits[inside][:, head.keep], rtol=1e-5, atol=1e-5)
     assert torch.equal(head.keep[sub.labels], full.labels[inside])
     assert torch.equal(sub.slots, full.slots[inside]) and torch.equal(sub.weights, full.weights[inside])
+
+
+def test_bf16_autocast_step_follows_fp32(target, monkeypatch) -> None:
+    """A bf16-autocast training step (the CPU default where the CPU has bf16 units) computes the
+    fp32 step's loss and gradient to bf16 precision, and the no-grad evaluation path runs under it
+    (the drafter's MKL-packed fp32 matmuls step aside for autocast)."""
+    from dflash_core.train import run as train_run
+
+    drafter, _, batch, feats = tiny_batch(target, 7, 2, 5000, [[4, 12, 20], [6, 18]], (36, 29))
+    grads = []
+    for autocast in (None, torch.bfloat16):
+        drafter.zero_grad(set_to_none=True)
+        loss = batch_forward(drafter, target, batch, feats, autocast).loss()
+        loss.backward()
+        grads.append((float(loss.detach()), torch.cat([p.grad.flatten() for p in drafter.parameters()])))
+    (loss32, g32), (loss16, g16) = grads
+    assert loss16 == pytest.approx(loss32, rel=2e-2)
+    assert float(torch.nn.functional.cosine_similarity(g32, g16, dim=0)) > 0.99
+    with torch.no_grad():
+        logits = batch_forward(drafter, target, batch, feats, torch.bfloat16).logits
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
+    # --autocast: off is off, bf16 is bf16, auto follows the device and the CPU's bf16 units.
+    assert train_run.train_autocast("off", "cuda") is None
+    assert train_run.train_autocast("bf16", "cpu") == torch.bfloat16
+    assert train_run.train_autocast("auto", "cuda") == torch.bfloat16
+    for fast in (False, True):
+        monkeypatch.setattr(train_run, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert train_run.train_autocast("auto", "cpu") == (torch.bfloat16 if fast else None)

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_core.train.batch import context_features
 from dflash_core.train.data import encode_shard, write_atomic
 from dflash_core.train.drafter_init import build_drafter, init_from_target
 from dflash_core.train.features import Sequence, build_features, feature_files, load_feature_file
-from dflash_core.train.recipe import bigram_accuracy, lr_factor
+from dflash_core.train.recipe import bigram_accuracy, build_blocks, lr_factor
 
 LAYERS = [2, 20]
 
@@ -110,3 +111,29 @@ def test_init_from_target_copies_layers(target) -> None:
     assert torch.equal(d.layers[0].input_layernorm.weight, target.model.model.layers[28].input_layernorm.weight)
     with pytest.raises(ValueError):
         init_from_target(d, target.model, [29])
+
+
+def test_warm_start_grows_a_deeper_drafter_that_computes_the_same(target, tmp_path: Path) -> None:
+    """--init from:DIR with more layers: the old layers are copied, the new one starts as an
+    identity (zero output projections), so the grown drafter's output equals the old one's, and
+    training then reaches the new layer's other weights."""
+    old = build_drafter(target, LAYERS, num_layers=1, block_size=8, seed=3)
+    old.save(tmp_path / "old", dtype=torch.float32)
+    new = build_drafter(target, LAYERS, num_layers=2, block_size=8, seed=4, init=f"from:{tmp_path / 'old'}")
+    assert len(new.layers) == 2 and new.config.num_hidden_layers == 2
+    for k, v in old.state_dict().items():
+        assert torch.equal(new.state_dict()[k], v), k
+    ids = torch.randint(100, 5000, (40,), generator=torch.Generator().manual_seed(0))
+    bb = build_blocks(ids, [10, 25], 8, 0)
+    ctx = context_features(target, ids[None, : bb.context_len], LAYERS)
+    emb = target.embed(bb.input_ids[None])
+    with torch.no_grad():
+        ref = old.forward_train(ctx, emb, bb.positions, bb.mask)
+    out = new.forward_train(ctx, emb, bb.positions, bb.mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()  # the zeroed projections get gradients: the new layer can learn
+    assert new.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
+    assert new.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
+    new.save(tmp_path / "new", dtype=torch.float32)
+    with pytest.raises(ValueError, match="a different drafter shape"):  # shallower is not a growth
+        build_drafter(target, LAYERS, num_layers=1, block_size=8, init=f"from:{tmp_path / 'new'}")

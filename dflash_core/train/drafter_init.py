@@ -2,8 +2,8 @@
 
 `init`: "random" (small normal weights), "target-last" (copies of the target's last layers),
 "target:i,j" (copies of the target's layers i, j) or "from:DIR" (a warm start from an earlier
-drafter of the same shape: its fp32 `train_state.pt` when DIR is a training run, else its
-checkpoint); `fc_init` "mean" starts `fc` as the mean of
+drafter of the same shape, or a shallower one grown to the new depth: its fp32 `train_state.pt`
+when DIR is a training run, else its checkpoint); `fc_init` "mean" starts `fc` as the mean of
 the concatenated target layers instead of random. Which of these trains fastest is measured,
 not assumed: see the README's training section.
 """
@@ -37,12 +37,15 @@ def init_from_target(drafter: DFlashDrafter, target_model: Any, layer_ids: list[
 
 
 def warm_start(drafter: DFlashDrafter, folder: Path) -> None:
-    """Load an earlier drafter's weights; its shape and target layers must be the new one's."""
+    """Load an earlier drafter's weights; its shape and target layers must be the new one's,
+    except that the new drafter may be deeper (growth, see `grow`)."""
     from ..drafter import load_drafter
 
     src = load_drafter(folder)
+    extra = len(drafter.layers) - len(src.layers)
+    depth = {"num_hidden_layers", "layer_types", "max_window_layers"} if extra > 0 else set()
     # The saved dtype is how the weights were exported, not the drafter's shape.
-    have, want = ({k: v for k, v in _flat(c.to_dict()).items() if not k.endswith("dtype")}
+    have, want = ({k: v for k, v in _flat(c.to_dict()).items() if not k.endswith("dtype") and k not in depth}
                   for c in (src.config, drafter.config))
     if have != want:
         diff = ", ".join(f"{k} {have.get(k)} (want {want.get(k)})" for k in sorted(set(have) | set(want))
@@ -52,7 +55,25 @@ def warm_start(drafter: DFlashDrafter, folder: Path) -> None:
     run_state = folder / "train_state.pt"
     if run_state.is_file():  # fp32 master weights beat the bf16 export
         state = torch.load(run_state, map_location="cpu", weights_only=False)["model"]
-    drafter.load_state_dict(state)
+    if extra > 0:
+        grow(drafter, state, len(src.layers))
+    else:
+        drafter.load_state_dict(state)
+
+
+def grow(drafter: DFlashDrafter, state: dict[str, torch.Tensor], n_src: int) -> None:
+    """A deeper drafter from a shallower one's `state` (`n_src` layers), computing exactly what it
+    computed: the old layers come first, and each new layer, appended before the final norm, starts
+    with zero output projections (attention `o_proj`, MLP `down_proj`), so its residual branches
+    add nothing until training moves them. A warm start can then only gain from the extra depth."""
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    new = {f"layers.{i}." for i in range(n_src, len(drafter.layers))}
+    if unexpected or any(not k.startswith(tuple(new)) for k in missing):
+        raise ValueError(f"cannot grow from this state: unexpected {unexpected[:3]}, missing {missing[:3]}")
+    with torch.no_grad():
+        for layer in drafter.layers[n_src:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -5,8 +5,8 @@ One command, so a short GPU lease is one call:
 1. optionally regenerate N more replies with the target (`--generate`, batched; time-boxed);
 2. train with several sequences per step (`batch.py`): ONLINE target features (the frozen
    target reads the padded batch each step) or the disk feature cache (`features.py`);
-   AdamW, warm-up + cosine, grad clip, bf16 autocast on CUDA; stops at `--steps` or when
-   `--max-minutes` of training have passed (`--steps 0`: as many as the time allows, with
+   AdamW, warm-up + cosine, grad clip, bf16 autocast where the hardware has bf16 units; stops at
+   `--steps` or when `--max-minutes` of training have passed (`--steps 0`: as many as the time allows, with
    the cosine schedule fitted to the measured step time);
 3. measures tau with REAL speculative decoding (`Engine.generate`, temperature 0) on held-out
    prompt sets (HumanEval/GSM8K were removed from the training prompts);
@@ -152,8 +152,9 @@ def batch_context(target: Any, batch: PaddedBatch, used: list[Sample], layer_ids
 
 @torch.no_grad()
 def heldout_eval(drafter: DFlashDrafter, target: Any, samples: list[Sample], args: argparse.Namespace,
-                 layer_ids: list[int], autocast: torch.dtype | None) -> dict[str, Any]:
-    """Teacher-forced loss and per-position accuracy on held-out replies (fixed anchors)."""
+                 layer_ids: list[int]) -> dict[str, Any]:
+    """Teacher-forced loss and per-position accuracy on held-out replies (fixed anchors), in fp32
+    whatever the training step's autocast: the numbers then compare across runs and machines."""
     drafter.eval()
     g = torch.Generator().manual_seed(12345)
     bsz = args.block_size
@@ -166,7 +167,7 @@ def heldout_eval(drafter: DFlashDrafter, target: Any, samples: list[Sample], arg
         if made is None:
             continue
         batch, used = made
-        out = batch_forward(drafter, target, batch, batch_context(target, batch, used, layer_ids), autocast)
+        out = batch_forward(drafter, target, batch, batch_context(target, batch, used, layer_ids))
         n, d = out.row_loss(len(used))
         num += float(n.sum())
         den += float(d.sum())
@@ -212,6 +213,22 @@ def speculative_eval(drafter: DFlashDrafter, target: Any, sets: list[str], limit
             print(f"[eval] {name}: tau {results[name]['tau']:.3f} over {blocks} blocks, {len(prompts)} prompts",
                   flush=True)
     return results
+
+
+def cpu_has_fast_bf16() -> bool:
+    """A CPU whose bf16 matrix products beat fp32 ones (AMX tiles or AVX512-BF16 dot products)."""
+    cpu = getattr(torch, "cpu", None)
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+
+
+def train_autocast(choice: str, device: torch.device | str) -> torch.dtype | None:
+    """The drafter step's autocast dtype (None: plain fp32) for --autocast `choice` on `device`."""
+    if choice == "off":
+        return None
+    if choice == "bf16" or torch.device(device).type == "cuda" or cpu_has_fast_bf16():
+        return torch.bfloat16
+    return None
 
 
 def hardware(device: torch.device) -> dict[str, Any]:
@@ -293,12 +310,11 @@ def make_drafter(args: argparse.Namespace, target: Any, out: Path,
 
 
 def evaluate_into(report: dict[str, Any], drafter: DFlashDrafter, target: Any, held_eval: list[Sample],
-                  args: argparse.Namespace, layer_ids: list[int], autocast: torch.dtype | None,
-                  progress: bool) -> None:
+                  args: argparse.Namespace, layer_ids: list[int], progress: bool) -> None:
     """The end-of-run numbers: held-out accuracy (teacher forced) and tau with real speculative
     decoding on the evaluation prompt sets, and the hardware they were measured on."""
     if held_eval:
-        report["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids, autocast)
+        report["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids)
     sets = [s for s in args.eval_prompts.split(",") if s and s != "none"]
     if sets and args.eval_limit > 0:
         report["tau"] = speculative_eval(drafter.eval(), target, sets, args.eval_limit, args.eval_max_new_tokens,
@@ -332,7 +348,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.batch_seqs < 1 or args.anchors_per_seq < 1:
         raise DFlashError("--batch-seqs and --anchors-per-seq must be >= 1")
     features_mode = args.features if args.features != "auto" else ("online" if on_cuda else "cache")
-    autocast = torch.bfloat16 if on_cuda and not args.no_autocast else None
+    autocast = train_autocast(args.autocast, device)
     progress = not args.no_progress and dd.main
     say = print if dd.main else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
@@ -471,7 +487,7 @@ def run_train(args: argparse.Namespace) -> int:
                                    "tau_est": round(expected_accepted(win_hits, win_counts), 4),
                                    "blocks_seen": blocks_seen, "elapsed_s": round(time.time() - loop_t0, 1)}
             if held_eval and args.eval_every and step % args.eval_every == 0 and dd.main:
-                rec["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids, autocast)
+                rec["heldout"] = heldout_eval(drafter, target, held_eval, args, layer_ids)
             log.write(json.dumps(rec) + "\n")
             log.flush()
             hits, counts = win_hits.clone(), win_counts.clone()  # the last full window, for the report
@@ -510,7 +526,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"[train] {steps_this_run} steps in {loop_s:.0f}s (stop: {stop_reason}); checkpoint in {out}", flush=True)
 
     # ----- (d) evaluation -----
-    evaluate_into(report, drafter, target, held_eval, args, layer_ids, autocast, progress)
+    evaluate_into(report, drafter, target, held_eval, args, layer_ids, progress)
     report["wall_seconds"] = round(time.time() - t_start, 1)
     report["args"] = info_base["args"]
     (out / REPORT_NAME).write_text(json.dumps(report, indent=1) + "\n")
@@ -551,7 +567,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="float32",
                    help="the TARGET's dtype (default float32: features as the fp32 app computes them; the "
                         "target is tiny, so this costs little even on a GPU, where matmuls use TF32)")
-    g.add_argument("--no-autocast", action="store_true", help="no bf16 autocast for the drafter on CUDA")
+    g.add_argument("--autocast", choices=["auto", "bf16", "off"], default="auto",
+                   help="bf16 autocast for the drafter's training step (fp32 master weights). auto: on CUDA, "
+                        "and on CPUs with bf16 matrix units (AMX / AVX512-BF16), where a step is ~1.5x cheaper")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default="data/smollm2-sharegpt", metavar="DIR[,DIR...]",
