@@ -12,6 +12,7 @@ from dflash_core.train.data import (
     EvalFilter,
     generate_batch,
     iter_json_array,
+    iter_jsonl_prompts,
     iter_samples,
     load_prompts,
     main,
@@ -51,6 +52,56 @@ def test_load_prompts_filters_dedups_decontaminates_and_shuffles(tmp_path: Path)
     assert len({p.id for p in a}) == 20
     assert [p.id for p in load_prompts(str(src), seed=1)] == [p.id for p in a]
     assert [p.id for p in load_prompts(str(src), seed=2)] != [p.id for p in a]
+
+
+def _chat(rid: str, *turns: tuple[str, str]) -> dict:
+    return {"id": rid, "conversations": [{"from": f, "value": v} for f, v in turns]}
+
+
+def test_sharegpt_later_turns_carry_their_history(tmp_path: Path, target, monkeypatch) -> None:
+    """`sharegpt-later`: every answered human turn after the first, with the chat before it (other
+    speakers left out), ids `<record>~<k>` that keep a chat on its first turn's held-out side;
+    deduplicated by the whole chat and decontaminated through the history too."""
+    from dflash_core.train.data import Prompt, chat_ids, iter_sharegpt
+    from dflash_core.train.run import is_heldout
+
+    src = tmp_path / "sg.json"
+    recs = [
+        _chat("a", ("gpt", "Hello!"), ("human", "Hi"), ("gpt", "Hey."), ("system", "note"), ("human", "Continue"),
+              ("gpt", "More."), ("human", "Thanks"), ("gpt", "Bye."), ("human", "unanswered")),
+        _chat("b", ("human", "What is 2+2?"), ("gpt", "4"), ("human", "Continue"), ("gpt", "5")),
+        _chat("c", ("human", "What is 2+2?"), ("gpt", "4"), ("human", "Continue"), ("gpt", "5")),  # b again
+        _chat("d", ("human", GSM_Q), ("gpt", "18"), ("human", "Continue"), ("gpt", "Done.")),
+    ]
+    src.write_text(json.dumps(recs)[:-1] + ', {"id": "cut", "conversations": [')  # a truncated tail
+    first = list(iter_sharegpt(src))
+    assert [(p.id, p.text, p.answer, p.history) for p in first][:2] == [("a", "Hi", "Hey.", ()),
+                                                                          ("b", "What is 2+2?", "4", ())]
+    later = {p.id: p for p in iter_sharegpt(src, turns="later")}
+    assert sorted(later) == ["a~1", "a~2", "b~1", "c~1", "d~1"]
+    assert later["a~1"].history == (("user", "Hi"), ("assistant", "Hey."))  # the system turn is left out
+    assert later["a~2"].text == "Thanks" and later["a~2"].answer == "Bye." and len(later["a~2"].history) == 4
+    assert later["a~2"].messages()[-1] == {"role": "user", "content": "Thanks"}
+    assert all(is_heldout(f"{r}~{k}", 30.0) == is_heldout(r, 30.0) for r in "abcdefgh" for k in (1, 5))
+    from dflash_core.train import data as data_mod
+
+    monkeypatch.setattr(data_mod, "iter_source", lambda source: iter_sharegpt(src, turns="later"))
+    stats: dict[str, int] = {}
+    kept = sorted(p.id for p in load_prompts("sharegpt-later", stats=stats))
+    # "Continue" three times: a and b have different chats, c repeats b's, d's history is a GSM8K question.
+    assert kept == ["a~1", "a~2", "b~1"] and stats["duplicate"] == 1 and stats["eval_overlap"] == 1
+    # Older exchanges are dropped whole until the chat fits; the prompt itself is never cut.
+    p = later["a~2"]
+    full = target.encode_chat(p.messages())
+    assert chat_ids(target, p, len(full)) == full
+    shorter = chat_ids(target, p, len(full) - 1)
+    assert shorter == target.encode_chat(Prompt(p.id, p.text, p.answer, p.history[2:]).messages())
+    alone = target.encode_chat(Prompt(p.id, p.text).messages())
+    assert chat_ids(target, p, len(alone)) == alone and chat_ids(target, p, len(alone) - 1) is None
+    # Exported to JSONL (`data prompts --out`) and read back, a later turn keeps its history.
+    main(["prompts", "--source", "sharegpt-later", "--out", str(tmp_path / "later.jsonl")])
+    back = {q.id: q for q in iter_jsonl_prompts(tmp_path / "later.jsonl")}
+    assert back["a~2"] == later["a~2"] and back["b~1"].history == later["b~1"].history
 
 
 def test_sampling_share_and_range() -> None:

