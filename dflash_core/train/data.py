@@ -97,7 +97,7 @@ def iter_sharegpt(path: str | os.PathLike[str] | None = None, turns: str = "firs
 
     `turns="first"`: the first human turn of every complete record (id: the record's id).
     `turns="later"`: every later human turn that the dataset answers, with the conversation before
-    it as `history` (id: `<record id>~<k>` for the k-th exchange after the first): about 2.5x the
+    it as `history` (id: `<record id>~<k>` for the k-th exchange after the first): about 2.3x the
     first turns' answer text, and the multi-turn chats the app serves.
     """
     if turns not in ("first", "later"):
@@ -491,7 +491,8 @@ def chat_ids(target: Any, p: Prompt, max_tokens: int) -> list[int] | None:
     are dropped until it fits (the prompt itself is never cut); None when even the prompt alone
     is too long."""
     history = list(p.history)
-    # A cheap first cut by characters (~4 per token) spares tokenising long chats many times over.
+    # A cheap first cut by characters spares tokenising long chats many times over: a chat over 6
+    # characters per allowed token cannot fit (English text runs at about 4).
     while history and sum(len(t) for _, t in history) + len(p.text) > 6 * max_tokens:
         history = history[2:]
     while True:

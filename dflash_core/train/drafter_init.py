@@ -65,7 +65,7 @@ def grow(drafter: DFlashDrafter, state: dict[str, torch.Tensor], n_src: int) -> 
     """A deeper drafter from a shallower one's `state` (`n_src` layers), computing exactly what it
     computed: the old layers come first, and each new layer, appended before the final norm, starts
     with zero output projections (attention `o_proj`, MLP `down_proj`), so its residual branches
-    add nothing until training moves them. A warm start can then only gain from the extra depth."""
+    add nothing until training moves them. Training then starts exactly where the shallower one stood."""
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     new = {f"layers.{i}." for i in range(n_src, len(drafter.layers))}
     if unexpected or any(not k.startswith(tuple(new)) for k in missing):
