@@ -124,18 +124,25 @@ def test_two_processes_stay_in_step(trained: Path) -> None:
     assert res.stdout.count("[train] data:") == 1
 
 
+def tiny_batch(target, drafter_seed: int, data_seed: int, vocab_hi: int, anchors: list[list[int]],
+               lengths: tuple[int, ...]) -> tuple[DFlashDrafter, list[torch.Tensor], PaddedBatch, torch.Tensor]:
+    """A 1-layer, B=8 drafter on target layers [2, 20], random sequences, their padded batch and its features."""
+    cfg = config_for_target(target.config, num_layers=1, block_size=8, mask_token_id=0)
+    cfg.target_layer_ids = [2, 20]
+    drafter = init_weights(DFlashDrafter(cfg), seed=drafter_seed)
+    g = torch.Generator().manual_seed(data_seed)
+    seqs = [torch.randint(100, vocab_hi, (n,), generator=g) for n in lengths]
+    batch = collate(list(zip(seqs, anchors, strict=True)), 8, 0)
+    return drafter, seqs, batch, context_features(target, batch.ids, cfg.target_layer_ids)
+
+
 def test_padded_batch_equals_one_sequence_forwards(target) -> None:
     """Right padding, dummy blocks and per-row positions change nothing: each row's loss in one
     padded forward equals that sequence's loss alone (the old one-sequence path)."""
-    cfg = config_for_target(target.config, num_layers=1, block_size=8, mask_token_id=0)
-    cfg.target_layer_ids = [2, 20]
-    drafter = init_weights(DFlashDrafter(cfg), seed=3)
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(100, 5000, (n,), generator=g) for n in (30, 47, 19)]
     anchors = [[5, 12, 20], [3, 9, 30, 40, 44], [10]]  # different counts: the rows get dummy blocks
-    batch = collate(list(zip(seqs, anchors, strict=True)), 8, 0)
+    drafter, seqs, batch, feats = tiny_batch(target, 3, 0, 5000, anchors, (30, 47, 19))
+    cfg = drafter.config
     assert batch.ids.shape == (3, 44) and batch.mask.shape == (3, 1, 40, 44 + 40)
-    feats = context_features(target, batch.ids, cfg.target_layer_ids)
     out = batch_forward(drafter, target, batch, feats)
     num, den = out.row_loss(3)
     for r, (seq, a) in enumerate(zip(seqs, anchors, strict=True)):
@@ -148,18 +155,6 @@ def test_padded_batch_equals_one_sequence_forwards(target) -> None:
         assert float(den[r]) == pytest.approx(float(bb.weights.sum()))
     whole = float(out.loss().detach())
     assert whole == pytest.approx(float(num.sum() / den.sum()), rel=1e-5)
-
-
-def tiny_batch(target, drafter_seed: int, data_seed: int, vocab_hi: int, anchors: list[list[int]],
-               lengths: tuple[int, ...]) -> tuple[DFlashDrafter, list[torch.Tensor], PaddedBatch, torch.Tensor]:
-    """A 1-layer, B=8 drafter on target layers [2, 20], random sequences, their padded batch and its features."""
-    cfg = config_for_target(target.config, num_layers=1, block_size=8, mask_token_id=0)
-    cfg.target_layer_ids = [2, 20]
-    drafter = init_weights(DFlashDrafter(cfg), seed=drafter_seed)
-    g = torch.Generator().manual_seed(data_seed)
-    seqs = [torch.randint(100, vocab_hi, (n,), generator=g) for n in lengths]
-    batch = collate(list(zip(seqs, anchors, strict=True)), 8, 0)
-    return drafter, seqs, batch, context_features(target, batch.ids, cfg.target_layer_ids)
 
 
 def test_head_subset_is_the_full_head_restricted(target) -> None:

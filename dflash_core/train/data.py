@@ -15,6 +15,7 @@ so a killed run loses at most the shard in progress.
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import hashlib
 import importlib.util
@@ -229,6 +230,9 @@ def load_prompts(
     """
     stats = stats if stats is not None else {}
     filt = EvalFilter.default() if decontaminate else None
+    # A chat's k-th later turn carries its k-1 earlier turns again: normalise and check each message once.
+    norm = functools.cache(normalise)
+    hit = functools.cache(filt.hit) if filt is not None else None
     seen_text: set[str] = set()
     seen_id: set[str] = set()
     out: list[Prompt] = []
@@ -244,12 +248,12 @@ def load_prompts(
             stats["too_long"] += 1
             continue
         # A later turn ("continue", "shorter please") repeats across chats: its history tells them apart.
-        key = "\n".join(normalise(t) or t for _, t in (*p.history, ("user", text)))
+        key = "\n".join(norm(t) or t for _, t in (*p.history, ("user", text)))
         if key in seen_text:
             stats["duplicate"] += 1
             continue
         seen_text.add(key)
-        if filt is not None and any(filt.hit(t) for t in (text, *(t for _, t in p.history))):
+        if hit is not None and any(hit(t) for t in (text, *(t for _, t in p.history))):
             stats["eval_overlap"] += 1
             continue
         pid = p.id

@@ -6,8 +6,8 @@ One command, so a short GPU lease is one call:
 2. train with several sequences per step (`batch.py`): ONLINE target features (the frozen
    target reads the padded batch each step) or the disk feature cache (`features.py`);
    AdamW, warm-up + cosine, grad clip, bf16 autocast where the hardware has bf16 units; stops at
-   `--steps` or when `--max-minutes` of training have passed (`--steps 0`: as many as the time allows, with
-   the cosine schedule fitted to the measured step time);
+   `--steps` or when `--max-minutes` of training have passed (`--steps 0`: as many as the time
+   allows, with the cosine schedule fitted to the measured step time);
 3. measures tau with REAL speculative decoding (`Engine.generate`, temperature 0) on held-out
    prompt sets (HumanEval/GSM8K were removed from the training prompts);
 4. writes the z-lab checkpoint (config.json + model.safetensors) into `--out`, plus
@@ -572,7 +572,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                         "target is tiny, so this costs little even on a GPU, where matmuls use TF32)")
     g.add_argument("--autocast", choices=["auto", "bf16", "off"], default="auto",
                    help="bf16 autocast for the drafter's training step (fp32 master weights). auto: on CUDA, "
-                        "and on CPUs with bf16 matrix units (AMX / AVX512-BF16), where a step is ~1.5x cheaper")
+                        "and on CPUs with bf16 matrix units (AMX / AVX512-BF16), where a step is ~1.7x cheaper")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default="data/smollm2-sharegpt", metavar="DIR[,DIR...]",
