@@ -10,7 +10,7 @@ import torch
 from dflash_core.train.batch import context_features
 from dflash_core.train.data import encode_shard, write_atomic
 from dflash_core.train.drafter_init import build_drafter, init_from_target
-from dflash_core.train.features import Sequence, build_features, feature_files, load_feature_file
+from dflash_core.train.features import Sequence, build_features, feature_files, load_feature_file, map_safetensors
 from dflash_core.train.recipe import bigram_accuracy, build_blocks, lr_factor
 
 LAYERS = [2, 20]
@@ -56,6 +56,21 @@ def test_features_match_inference_and_resume(feature_dir, target) -> None:
     before = [f.stat().st_mtime_ns for f in files]
     build_features(target, root / "data", root / "feats", LAYERS, batch_tokens=200, progress=False)
     assert [f.stat().st_mtime_ns for f in files] == before
+
+
+def test_mapped_safetensors_equal_load_file(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = {"f16": torch.randn(5, 3).half(), "bf16": torch.randn(4).bfloat16(), "f32": torch.randn(2, 2, 2),
+               "i32": torch.arange(7, dtype=torch.int32), "i64": torch.tensor([0, 3, 9]), "empty": torch.zeros(0, 4)}
+    save_file(tensors, str(tmp_path / "t.safetensors"), metadata={"ids": "[\"a\"]"})
+    mapped, meta = map_safetensors(tmp_path / "t.safetensors")
+    ref = load_file(str(tmp_path / "t.safetensors"))
+    assert meta == {"ids": "[\"a\"]"} and mapped.keys() == ref.keys()
+    for k, v in ref.items():
+        assert mapped[k].dtype == v.dtype and torch.equal(mapped[k], v), k
+    mapped["f16"][0, 0] = 100.0  # private map: writes never reach the file
+    assert torch.equal(load_file(str(tmp_path / "t.safetensors"))["f16"], ref["f16"])
 
 
 def test_lr_schedule() -> None:

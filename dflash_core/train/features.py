@@ -149,11 +149,36 @@ def _meta(path: Path) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-def load_feature_file(path: str | os.PathLike[str]) -> list[Sequence]:
-    from safetensors.torch import load_file
+_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "I32": torch.int32,
+           "I64": torch.int64}
 
-    t = load_file(str(path))
-    ids = json.loads(_meta(Path(path))["ids"])
+
+def map_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A safetensors file's tensors as views of a private memory map, and its metadata.
+
+    All the feature files of a run can exceed RAM (~4 KB per token for two layers), but a
+    training step reads a few thousand tokens of them: mapped, the OS pages in what batches
+    touch and can evict it again, where `load_file` would copy everything into the heap.
+    """
+    import mmap
+
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # copy-on-write: writable, never saved
+    n = int.from_bytes(mm[:8], "little")
+    header = json.loads(mm[8:8 + n])
+    meta = header.pop("__metadata__", None) or {}
+    out = {}
+    for name, h in header.items():
+        dtype, (b, e) = _DTYPES[h["dtype"]], h["data_offsets"]
+        numel = (e - b) // dtype.itemsize
+        t = torch.frombuffer(mm, dtype=dtype, count=numel, offset=8 + n + b) if numel else torch.empty(0, dtype=dtype)
+        out[name] = t.reshape(h["shape"])
+    return out, meta
+
+
+def load_feature_file(path: str | os.PathLike[str]) -> list[Sequence]:
+    t, meta = map_safetensors(path)
+    ids = json.loads(meta["ids"])
     off = t["offsets"].tolist()
     return [Sequence(id=ids[k], ids=t["input_ids"][off[k]:off[k + 1]].long(), prompt_len=int(t["prompt_lens"][k]),
                      feats=t["features"][off[k]:off[k + 1]]) for k in range(len(ids))]
