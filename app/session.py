@@ -47,7 +47,7 @@ class RunStats:
     def add(self, ev: BlockEvent) -> BlockStat:
         prev = self.blocks[-1].engine_s if self.blocks else 0.0
         stat = BlockStat(
-            index=ev.index, block_size=len(ev.draft) + 1, verified=ev.checked + 1, accepted=ev.accepted,
+            index=ev.index, block_size=len(ev.draft) + 1, verified=ev.pass_tokens, accepted=ev.accepted,
             committed=len(ev.committed),
             draft_ms=ev.draft_ms, verify_ms=ev.verify_ms, tokens=ev.tokens_so_far,
             engine_s=prev + (ev.draft_ms + ev.verify_ms) / 1e3,

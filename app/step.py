@@ -121,7 +121,10 @@ def step_html(result: StepResult | None, session: Session) -> str:
         targets = ["<td></td>"] * (n + 1)
         targets[col] = _cell(target_tok, TARGET, f"target {kind}")
         verdicts.append('<td class="verdict">bonus</td>' if kind == "bonus" else "<td></td>")
-        if ev.checked == n:
+        if ev.tree_nodes is not None:
+            checked = (f"checked a tree of {ev.tree_nodes} candidates (its likeliest alternatives at each position "
+                       f"too) in one forward pass; shown is the branch the target walked")
+        elif ev.checked == n:
             checked = "checked them all in one forward pass"
         else:
             checked = (f"checked the first {ev.checked} in one forward pass (the adaptive verify length: the "

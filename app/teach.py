@@ -51,6 +51,13 @@ guesses badly, τ ≈ 1 and the extra draft and block costs make DFlash *slower*
 *adaptive*) sends the target only the drafts worth checking: the prefix that maximises expected tokens per \
 second, judged from the drafter's own confidence and the target's measured pass times. The output is the same; \
 drafts past that prefix show as *not verified*.
+
+**Tree verification** (verify length *tree* or *tree-full*). The drafter predicts every position at once, so \
+it has a second and third guess at each position too. A tree spends the verify pass on the likeliest \
+alternatives: each candidate sits at its own position and sees only its own ancestors, the target's choice at \
+every candidate says which branch to follow, and only the accepted branch is kept. More tokens per target \
+forward for the same pass size, and still lossless: every kept token is the target's own choice (or, when \
+sampling, its own draw). A tree block shows the branch the target walked.
 """
 
 BEFORE_REPLY = "\n*Ask something in the Studio tab: this page then walks through your own reply, block by block.*\n"

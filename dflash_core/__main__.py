@@ -52,7 +52,9 @@ def decoding_options(max_new_tokens: int) -> argparse.ArgumentParser:
                    help="denoising steps per block (1 = DFlash as published)")
     g.add_argument("--verify", choices=VERIFY_MODES, default="auto",
                    help="how many draft tokens the target checks: full (the whole block), adaptive (the prefix "
-                        "worth a pass on this machine), auto (adaptive on CPU, full on GPU; default)")
+                        "worth a pass on this machine), auto (adaptive on CPU, full on GPU; default), tree-full "
+                        "(a tree of B-1 candidates: the drafter's likeliest alternatives too), tree (as many "
+                        "candidates as pay on this machine); trees need --steps 1 and the lean forward")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")

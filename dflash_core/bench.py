@@ -145,7 +145,8 @@ def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"
             cfg = config or GenerationConfig()
             m.block_size = s.block_size or cfg.block_size or engine.drafter.block_size
             m.steps = s.steps or cfg.steps
-            m.verify = resolve_mode(s.verify or cfg.verify, engine.target.device)
+            m.verify = resolve_mode(s.verify or cfg.verify, engine.target.device, greedy=cfg.greedy,
+                                    tree_ok=engine.target.supports_tree and m.steps == 1)
             methods.append(m)
         else:
             lookup = PROMPT_LOOKUP_TOKENS if s.kind == "prompt-lookup" else 0

@@ -57,7 +57,7 @@ class MethodSpec:
     kind: str  # plain, dflash, hf-generate, prompt-lookup
     block_size: int | None = None
     steps: int | None = None
-    verify: str | None = None  # full / adaptive; None: the run's --verify
+    verify: str | None = None  # full / adaptive / tree / tree-full; None: the run's --verify
 
 
 FIXED_METHODS = {
@@ -68,10 +68,10 @@ FIXED_METHODS = {
 }
 ALL_METHODS = ("plain", "hf-generate", "prompt-lookup", "dflash-b4", "dflash-b8", "dflash-b16",
                "dflash-b4-full", "dflash-b16-full", "dflash-b4-s2", "dflash-b8-s2", "dflash-b16-s2")
-_FAMILY = re.compile(r"dflash-b([1-9]\d*)(?:-s([1-9]\d*))?(?:-(full|adaptive))?")
+_FAMILY = re.compile(r"dflash-b([1-9]\d*)(?:-s([1-9]\d*))?(?:-(full|adaptive|tree|tree-full))?")
 METHOD_HELP = ("plain, dflash (the run's --block-size/--steps/--verify), dflash-bN, dflash-bN-sK (block size N, "
-               "K denoising steps), either with -full or -adaptive (verify length), hf-generate, prompt-lookup, "
-               "or all")
+               "K denoising steps), either with -full, -adaptive, -tree or -tree-full (see --verify), hf-generate, "
+               "prompt-lookup, or all")
 
 
 def parse_method(name: str) -> MethodSpec:
@@ -250,7 +250,9 @@ def legend(summary: dict[str, Any]) -> list[str]:
         f"speed-up = {base}'s s/token / the method's, whole run",
         "draft/verify ms = engine-timed mean per draft block (plain: verify = t1, ms per token)",
         "-full: the target verifies all B−1 drafts of every block (tau as published); -adaptive: only the prefix "
-        "worth its measured cost on this machine (fewer tokens per forward, cheaper forwards; the same output)",
+        "worth its measured cost on this machine (fewer tokens per forward, cheaper forwards; the same output); "
+        "-tree-full: a tree of B−1 candidates per block (the drafter's likeliest alternatives too); -tree: as many "
+        "candidates as pay on this machine",
         "bound = tau·t1/(t_verify+t_draft); achieved = speed-up vs plain / bound (below 100%: host overhead "
         "and prefill; above: the same overhead weighs more on plain's shorter steps)",
         f"exact = prompts whose token ids equal {base}'s" + (

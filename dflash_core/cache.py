@@ -73,6 +73,20 @@ class TargetCache(Cache):
         for layer in self.layers:
             layer.length = min(layer.length, length)
 
+    @torch.inference_mode()
+    def keep_rows(self, start: int, rows: list[int]) -> None:
+        """After a tree pass appended at `start`: keep rows `start + rows[i]` (increasing) as
+        positions `start + i`, the accepted path, and drop the rest."""
+        if rows != list(range(len(rows))):
+            first = self.layers[0]
+            src = torch.tensor(rows, device=first.keys.device) + start
+            end = start + len(rows)
+            for layer in self.layers:
+                # Advanced indexing gathers a copy first, so overlapping source and target are fine.
+                layer.keys[:, :, start:end] = layer.keys[:, :, src]
+                layer.values[:, :, start:end] = layer.values[:, :, src]
+        self.truncate(start + len(rows))
+
     @property
     def length(self) -> int:
         return self.layers[0].length

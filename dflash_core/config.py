@@ -8,7 +8,8 @@ from .errors import DFlashError
 
 MIN_BLOCK_SIZE = 2
 MAX_BLOCK_SIZE = 32
-VERIFY_MODES = ("auto", "adaptive", "full")
+VERIFY_MODES = ("auto", "adaptive", "full", "tree", "tree-full")
+TREE_MODES = ("tree", "tree-full")
 
 
 @dataclass(frozen=True)
@@ -19,7 +20,9 @@ class GenerationConfig:
     denoising steps per block: 1 is DFlash as published (one parallel draft pass).
     `temperature=0` is greedy decoding. `verify` says how many draft tokens the target checks:
     "full" the whole block, "adaptive" only the prefix worth a pass on this machine
-    (dflash_core/verify_length.py), "auto" adaptive on a CPU and full on a GPU. The output is
+    (dflash_core/verify_length.py), "auto" adaptive on a CPU and full on a GPU; "tree" checks
+    several candidates per position in one pass, as many as pay on this machine, and
+    "tree-full" a tree of B-1 candidates every block (dflash_core/draft_tree.py). The output is
     the same either way; only the speed differs.
     """
 
@@ -68,5 +71,8 @@ class GenerationConfig:
             raise DFlashError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}.")
         if self.verify not in VERIFY_MODES:
             raise DFlashError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {self.verify!r}.")
+        if self.verify in TREE_MODES and self.steps > 1:
+            raise DFlashError(f"verify={self.verify!r} drafts in one denoising step (its candidates come from the "
+                              f"drafter's parallel distributions); use steps=1, or verify 'full' or 'adaptive'.")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise DFlashError(f"stop strings must be non-empty strings, got {self.stop!r}.")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
-from .config import GenerationConfig
+from .config import TREE_MODES, GenerationConfig
+from .draft_tree import BRANCHING, DraftTree, choose_tree_size, grow_tree, visibility, walk
 from .drafter import DFlashDrafter, check_fit
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
@@ -41,6 +42,8 @@ class Draft:
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (tokens, probs, fixed) per step
     # [B-1] first-step max probability per position, which picks the verify length; None: verify all
     confidence: torch.Tensor | None = None
+    # First-step top-k probabilities and token ids [B-1, k], the candidates of a draft tree
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def unmask_schedule(n_masked: int, steps: int) -> list[int]:
@@ -148,7 +151,15 @@ class Engine:
         tcache = target.new_cache(cache_len)
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
         layer_ids = None if plain else self.drafter.config.target_layer_ids
-        adaptive = not plain and resolve_mode(cfg.verify, dev) == "adaptive"
+        mode = None if plain else resolve_mode(cfg.verify, dev, greedy=cfg.greedy,
+                                               tree_ok=target.supports_tree and cfg.steps == 1)
+        if mode in TREE_MODES and not target.supports_tree:
+            fallback = "full" if mode == "tree-full" else "adaptive"
+            warnings.append(f"verify={mode!r} needs the lean forward ({target.fast_path_note}); "
+                            f"verified as {fallback!r}")
+            mode = fallback
+        tree_mode = mode in TREE_MODES
+        adaptive = mode in ("adaptive", "tree")
         cost = self.verify_cost_for(block) if adaptive else None
         draft_len = block  # adaptive: drafts only as far as recent blocks were worth verifying
         verified: list[int] = []
@@ -194,6 +205,29 @@ class Engine:
                 continue
             t1 = time.perf_counter()
             draft = self.draft_block(anchor, start, pending, dcache, draft_len, cfg, gen)
+            if tree_mode:
+                tree = self._draft_tree(draft)
+                if cost is not None:  # as many candidates as pay for their share of the pass
+                    draft_ms = (state.draft_s + time.perf_counter() - t1) * 1e3 / (state.blocks + 1)
+                    tree = tree.prefix(choose_tree_size(tree.scores, [cost(n + 1) for n in range(len(tree) + 1)],
+                                                        draft_ms))
+                    verified.append(tree.depth)
+                    draft_len = next_draft_length(verified, draft_len, block)
+                t2 = time.perf_counter()
+                rows, line, tok, feats = self._verify_tree(anchor, tree, tcache, layer_ids, cfg, gen)
+                acc = len(rows) - 1
+                t3 = time.perf_counter()
+                pending = feats[None]
+                state.draft_s += t2 - t1
+                state.verify_s += t3 - t2
+                state.blocks += 1
+                state.accepted.append(acc)
+                shown = self._walked_draft(tree, line, draft)
+                kept, reason = stopper.commit(out, [*shown.tokens[:acc].tolist(), tok])
+                yield self._event(index, start, shown, acc, tok, kept, (t2 - t1) * 1e3, (t3 - t2) * 1e3, out,
+                                  verified=len(line), tree_nodes=len(tree))
+                start += acc + 1
+                continue
             tokens, q = draft.tokens, draft.q
             if cost is not None and draft.confidence is not None:  # verify only the promising prefix
                 draft_ms = (state.draft_s + time.perf_counter() - t1) * 1e3 / (state.blocks + 1)  # mean so far
@@ -236,6 +270,53 @@ class Engine:
                               verified=len(tokens))
             start += acc + 1
 
+    # ----- tree verification -----
+
+    @staticmethod
+    def _draft_tree(draft: Draft) -> DraftTree:
+        """The candidates of a block, best first. A draft without top-k candidates (a test's
+        forced draft) is a chain: one candidate per position."""
+        if draft.top is None:
+            toks, probs = draft.tokens.tolist(), draft.probs.tolist()
+            return grow_tree([[p] for p in probs], [[t] for t in toks], len(toks))
+        top_p, top_i = draft.top
+        return grow_tree(top_p.tolist(), top_i.tolist(), len(top_p))
+
+    @staticmethod
+    def _walked_draft(tree: DraftTree, line: list[int], draft: Draft) -> Draft:
+        """What a tree block shows: the line the target walked (all verified), then the drafter's
+        first choices at the deeper drafted positions (not verified), as one denoising step."""
+        tokens = [tree.tokens[i] for i in line]
+        # The drafter's own probability of each walked token: a node's score over its parent's.
+        probs = [tree.scores[i] / max(tree.scores[tree.parents[i]], 1e-30) if tree.parents[i] >= 0
+                 else tree.scores[i] for i in line]
+        tokens += draft.tokens[len(line):].tolist()
+        probs += draft.probs[len(line):].tolist()
+        t, p = torch.tensor(tokens, dtype=torch.long), torch.tensor(probs)
+        return Draft(tokens=t, probs=p, q=None, steps=[(t, p, torch.ones(len(tokens), dtype=torch.bool))])
+
+    def _verify_tree(self, anchor: int, tree: DraftTree, tcache: object, layer_ids: list[int] | None,
+                     cfg: GenerationConfig, gen: torch.Generator) -> tuple[list[int], list[int], int, torch.Tensor]:
+        """One target pass over [anchor, tree]; the target's own choice at every node (argmax, or
+        a draw from its distribution) decides the walk. Keeps the accepted rows in the cache.
+        Returns the kept rows (0 = the anchor), the walked line (accepted nodes, then the
+        best-scored nodes below), the target's token after the accepted nodes, and the kept
+        rows' features."""
+        dev = self.target.device
+        ids = torch.tensor([[anchor, *tree.tokens]], device=dev)
+        depths = torch.tensor([0, *tree.depths], device=dev)
+        start = tcache.length
+        logits, feats = self.target.tree_forward(ids, depths, visibility(tree, dev), tcache, layer_ids)
+        if cfg.greedy:
+            choice = logits.argmax(-1)
+        else:  # one draw per node; only the walked nodes' draws are used, each exactly the target's
+            choice = sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen)
+        path, tok = walk(tree, choice.tolist())  # the block's one sync
+        rows = [0, *(i + 1 for i in path)]
+        tcache.keep_rows(start, rows)
+        line = path + tree.main_line(path[-1] if path else -1)
+        return rows, line, tok, feats[rows]
+
     # ----- drafting -----
 
     @torch.inference_mode()
@@ -261,6 +342,7 @@ class Engine:
         fixed = torch.zeros(n, dtype=torch.bool, device=dev)
         history = []
         confidence = None
+        top = None
         new_context = pending
         done = 0
         for n_fixed in unmask_schedule(n, steps):
@@ -278,6 +360,8 @@ class Engine:
                 order = torch.where(fixed, float("-inf"), -torch.arange(n, device=dev, dtype=torch.float))
             if confidence is None:  # first step, before any token is drawn (see verify_length)
                 confidence = conf if cfg.greedy else probs.max(-1).values
+                top_p, top_i = probs.topk(min(BRANCHING, probs.shape[-1]), -1)
+                top = (top_p, top_i if vocab is None else vocab[top_i])
             guess = pick if vocab is None else vocab[pick]
             guess = torch.where(fixed, tokens[1:], guess)
             conf = torch.where(fixed, chosen_p, conf)
@@ -294,7 +378,7 @@ class Engine:
         q = None
         if q_sub is not None:  # the accept rule reads q over the whole vocabulary
             q = q_sub if vocab is None else q_sub.new_zeros(n, target.vocab_size).index_copy_(1, vocab, q_sub)
-        return Draft(tokens=tokens[1:].clone(), probs=chosen_p, q=q, steps=history, confidence=confidence)
+        return Draft(tokens=tokens[1:].clone(), probs=chosen_p, q=q, steps=history, confidence=confidence, top=top)
 
     # ----- helpers -----
 
@@ -306,7 +390,7 @@ class Engine:
 
     def _event(self, index: int, start: int, draft: Draft | None, accepted: int, token: int,
                committed: list[int], draft_ms: float, verify_ms: float, out: list[int],
-               verified: int | None = None) -> BlockEvent:
+               verified: int | None = None, tree_nodes: int | None = None) -> BlockEvent:
         target = self.target
         steps: list[DraftStep] = []
         draft_ids: list[int] = []
@@ -320,7 +404,7 @@ class Engine:
             index=index, start=start, steps=steps, draft=draft_ids, accepted=accepted, target_token=token,
             committed=committed, draft_ms=draft_ms, verify_ms=verify_ms, tokens_so_far=len(out),
             text=target.decode(out), committed_text=target.token_strings(committed),
-            draft_text=target.token_strings(draft_ids), verified=verified,
+            draft_text=target.token_strings(draft_ids), verified=verified, tree_nodes=tree_nodes,
         )
 
 

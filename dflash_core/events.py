@@ -37,6 +37,16 @@ class BlockEvent:
     # How many draft tokens (a prefix of `draft`) the target checked; None: all of them. With the
     # adaptive verify length the rest were drafted but not worth a verify pass on this machine.
     verified: int | None = None
+    # Tree verification (draft_tree.py): how many candidate tokens the target checked in the
+    # block's pass. `draft` then starts with the line it walked (the accepted drafts, then the
+    # best-scored candidates below the last one: the `verified` prefix), followed by the drafter's
+    # first choices at deeper positions. None: a chain, `draft` as drafted.
+    tree_nodes: int | None = None
+
+    @property
+    def pass_tokens(self) -> int:
+        """Tokens in the block's verify pass (the anchor included)."""
+        return 1 + (self.checked if self.tree_nodes is None else self.tree_nodes)
 
     @property
     def checked(self) -> int:

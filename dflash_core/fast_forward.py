@@ -329,6 +329,28 @@ class FastForward:
         return self._layers(ids, cos[start:end], sin[start:end], attend, layer_ids, last_only)
 
     @torch.inference_mode()
+    def tree_forward(
+        self, ids: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor, cache: TargetCache,
+        layer_ids: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` over a draft tree (`draft_tree.py`): ids [1, n] = [anchor, nodes...], row i
+        at position `cache.length + depths[i]` and attending to the whole cache plus the rows
+        `visible[i]` [n, n] allows. Keys/values are appended in row order; the caller keeps the
+        accepted rows (`TargetCache.keep_rows`)."""
+        self._check(ids, layer_ids)
+        n = ids.shape[1]
+        start = cache.length
+        positions = depths.to(ids.device) + start
+        cos, sin = self._rope(int(positions.max()) + 1)
+        mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=ids.device), visible.to(ids.device)], 1)
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.layers[i].update(k.unsqueeze(0), v.unsqueeze(0))
+            return self._attention(q, keys, values, mask)
+
+        return self._layers(ids, cos[positions], sin[positions], attend, layer_ids, last_only=False)
+
+    @torch.inference_mode()
     def static_forward(
         self, ids: torch.Tensor, positions: torch.Tensor, cache: TargetCache, rope: tuple[torch.Tensor, torch.Tensor],
         layer_ids: list[int] | None = None,

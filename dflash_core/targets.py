@@ -259,6 +259,21 @@ class Target:
         return out.logits[0].float(), feats
 
 
+    @property
+    def supports_tree(self) -> bool:
+        """Tree verification needs the lean forward (its own attention mask and positions)."""
+        return self.fast_path is not None
+
+    def tree_forward(
+        self, ids: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor, cache: TargetCache,
+        layer_ids: list[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A verify pass over a draft tree; see `FastForward.tree_forward`."""
+        if self.fast_path is None:
+            raise DFlashError(f"tree verification needs the lean forward; this target runs the {self._forward_note}")
+        return self.fast_path.tree_forward(ids, depths, visible, cache, layer_ids)
+
+
 def load_target(spec: str | None = None, device: str | None = None,
                 dtype: str | torch.dtype | None = None, fast: bool | None = None,
                 graphs: bool | None = None) -> Target:

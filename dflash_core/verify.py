@@ -31,8 +31,15 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of `probs` [n, V] → [n]."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    """One token per row of `probs` [n, V] (unnormalised weights >= 0) → [n], by inverse CDF
+    in float64 (`inverse_cdf`, row by row). torch.multinomial draws the same law but costs
+    ~1 ms per 49k-token row on a CPU: 17 ms for a 16-row block here, against 0.7 ms."""
+    u = torch.rand(probs.shape[0], 1, generator=generator, device=probs.device, dtype=torch.float64)
+    cdf = probs.double().cumsum(-1)
+    index = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]
+    positions = torch.arange(probs.shape[-1], device=probs.device)
+    last_positive = torch.where(probs > 0, positions, -1).max(-1).values
+    return torch.minimum(index, last_positive)
 
 
 def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,14 +44,20 @@ CALIBRATION_CONTEXT = 128  # tokens of context the verify passes are timed after
 CALIBRATION_REPEATS = 3
 
 
-def resolve_mode(mode: str, device: torch.device | str) -> str:
-    """"auto" is "adaptive" on a CPU and "full" on an accelerator, where a block's verify pass
-    costs about one token's and the adaptive choice would only add a host round trip."""
+def resolve_mode(mode: str, device: torch.device | str, *, greedy: bool = False, tree_ok: bool = False) -> str:
+    """"auto" is "full" on an accelerator, where a block's verify pass costs about one token's
+    and a choice would only add a host round trip. On a CPU it is "tree" for greedy decoding
+    where a tree pass can run (`tree_ok`: the lean forward, one denoising step), else
+    "adaptive". Sampling keeps the chain: a tree's candidates are the drafter's top choices,
+    not draws, so they can only be matched against the target's draw, which accepts less than
+    speculative sampling of a chain (measured: τ 1.38 against 1.50 on GSM8K at T = 1)."""
     if mode not in VERIFY_MODES:
         raise ValueError(f"verify mode must be one of {VERIFY_MODES}, got {mode!r}")
     if mode != "auto":
         return mode
-    return "adaptive" if torch.device(device).type == "cpu" else "full"
+    if torch.device(device).type != "cpu":
+        return "full"
+    return "tree" if greedy and tree_ok else "adaptive"
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,10 @@ def test_all_expands_to_the_scoreboard() -> None:
     assert by_name["dflash-b16-full"] == MethodSpec("dflash-b16-full", "dflash", block_size=16, steps=1,
                                                     verify="full")
     assert bench_stats.parse_method("dflash-b4-s2-adaptive").verify == "adaptive"
+    assert bench_stats.parse_method("dflash-b16-tree").verify == "tree"
+    assert bench_stats.parse_method("dflash-b16-tree-full").verify == "tree-full"
+    with pytest.raises(DFlashError):
+        bench_stats.parse_method("dflash-b16-forest")
     assert by_name["dflash-b8"].verify is None  # the run's --verify
 
 

@@ -344,7 +344,9 @@ def test_engine_kernel_path_matches_torch_path(toy_engine, temperature: float,
 
     def run(flag: str, seed: int) -> list[tuple[int, list[int]]]:
         monkeypatch.setenv("DFLASH_TRITON", flag)
-        cfg = GenerationConfig(max_new_tokens=14, block_size=4, temperature=temperature, seed=seed)
+        # A chain (the kernels' accept step), as "auto" picks on a CPU when sampling; greedy "auto" would
+        # verify a tree, whose walk runs on the host.
+        cfg = GenerationConfig(max_new_tokens=14, block_size=4, temperature=temperature, seed=seed, verify="adaptive")
         events = list(toy_engine.generate(prompts[seed], cfg))
         return [(ev.accepted, ev.committed) for ev in events[:-1]] + [events[-1].token_ids]
 

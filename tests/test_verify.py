@@ -96,6 +96,21 @@ def test_sample_shape_and_support() -> None:
         assert int(s[0]) == 1 and int(s[1]) in (0, 2)
 
 
+def test_sample_follows_each_rows_distribution() -> None:
+    from scipy.stats import chisquare
+
+    g = torch.Generator().manual_seed(1)
+    weights = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0], [2.0, 1.0, 0.0, 0.5, 0.5]])  # unnormalised is fine
+    draws = torch.stack([sample(weights.expand(2000, 2, 5).reshape(-1, 5), g).view(2000, 2)
+                         for _ in range(2)]).view(-1, 2)
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=5)
+        expected = weights[row] / weights[row].sum() * len(draws)
+        assert counts[expected == 0].sum() == 0  # a zero-weight token is never drawn
+        keep = expected > 0
+        assert chisquare(counts[keep].tolist(), expected[keep].tolist()).pvalue > 1e-3
+
+
 # ----- speculative sampling -----
 
 

@@ -89,6 +89,11 @@ def test_drafted_length_follows_what_was_verified() -> None:
 
 def test_mode_resolution_and_validation() -> None:
     assert resolve_mode("auto", "cpu") == "adaptive"
+    assert resolve_mode("auto", "cpu", greedy=True, tree_ok=True) == "tree"  # greedy on the lean forward
+    assert resolve_mode("auto", "cpu", greedy=False, tree_ok=True) == "adaptive"  # sampling keeps the chain
+    assert resolve_mode("auto", "cpu", greedy=True, tree_ok=False) == "adaptive"
+    assert resolve_mode("auto", "cuda", greedy=True, tree_ok=True) == "full"
+    assert resolve_mode("tree-full", "cpu") == "tree-full"
     assert resolve_mode("auto", torch.device("cuda", 0)) == "full"
     assert resolve_mode("full", "cpu") == "full" and resolve_mode("adaptive", "cuda") == "adaptive"
     with pytest.raises(ValueError):

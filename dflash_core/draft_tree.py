@@ -1,0 +1,154 @@
+"""Tree verification: the target checks several draft candidates per position in one pass.
+
+A DFlash drafter predicts every block position at once, so it gives a full distribution at
+each position, not just one token. While the drafter is weak, its second or third choice is
+often the target's: the shipped SmolLM2 drafter's first choice at position 1 is the target's
+44 % of the time, one of its top four 67 %. A chain of B-1 drafts
+wastes that; a tree spends the same verify tokens on the likeliest alternatives
+(Medusa-style trees from parallel marginals, grown best-first by estimated probability as in
+EAGLE-2's dynamic trees).
+
+A node's score is the product of the drafter's probabilities along its path: its estimate that
+the target walks through the node. Measured on the shipped drafter, those scores are
+calibrated (nodes scored 0.3-0.4 lie on the target's path 35 % of the time), so the sum of
+the scores of a tree is its expected number of accepted drafts. Best-first growth adds nodes
+in non-increasing score order, so every prefix of the node list is itself a tree (a parent
+always comes before its children) and sizing a tree is choosing a prefix length, exactly like
+the adaptive chain length (`verify_length.py`).
+
+The target reads [anchor, node 1, ..., node n] in one pass: node i sits at position
+start + depth(i) and attends to the committed context, the anchor and its own ancestors
+(`visibility`). Why this stays exact:
+- greedy: the walk follows the child whose token is the target's argmax at the current node,
+  and commits that argmax where no child matches; every committed token is the target's
+  choice after the committed prefix, as in plain decoding;
+- sampling: the target draws a token at every node from its own distribution there, and the
+  walk follows the child equal to the draw (sample-and-match); every committed token is a
+  draw from the target's distribution given the committed prefix, whatever the tree was.
+Which nodes are drafted never depends on a target draw, so nothing is biased.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+BRANCHING = 8  # children tried per node: the top-8 tokens at the next position
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft nodes in best-first order (a parent always before its children)."""
+
+    tokens: list[int]
+    parents: list[int]  # index of the parent node; -1: the anchor
+    depths: list[int]  # block position of the node, 1..B-1
+    scores: list[float]  # non-increasing: the drafter's estimate that the target walks through the node
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def prefix(self, n: int) -> DraftTree:
+        """The first n nodes: a tree too, since parents come first."""
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the anchor's child down to `node` (empty for -1, the anchor)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def main_line(self, node: int) -> list[int]:
+        """The best-scored chain of descendants below `node` (-1: below the anchor)."""
+        line = []
+        while True:
+            children = [i for i, p in enumerate(self.parents) if p == node]
+            if not children:
+                return line
+            node = children[0]  # best-first order: the first child scores highest
+            line.append(node)
+
+
+def grow_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: int,
+              branching: int = BRANCHING) -> DraftTree:
+    """The `max_nodes` likeliest nodes, best first.
+
+    probs/ids: [positions][k] the drafter's top-k probabilities (descending) and token ids at
+    block positions 1, 2, ...; a node at depth d gets as children the top `branching` tokens of
+    position d+1 (parallel drafts are marginals: the same candidates under every parent).
+    """
+    if max_nodes < 1 or not probs:
+        raise ValueError("a draft tree needs at least one node and one position")
+    k = min(branching, len(probs[0]))
+    tokens: list[int] = []
+    parents: list[int] = []
+    depths: list[int] = []
+    scores: list[float] = []
+    # (-score, order, depth, candidate rank, parent): `order` breaks ties first come, first served.
+    heap = [(-probs[0][r], r, 1, r, -1) for r in range(k)]
+    order = k
+    while heap and len(tokens) < max_nodes:
+        neg, _, d, r, parent = heapq.heappop(heap)
+        tokens.append(int(ids[d - 1][r]))
+        parents.append(parent)
+        depths.append(d)
+        scores.append(-neg)
+        if d < len(probs):
+            node = len(tokens) - 1
+            for r2 in range(k):
+                heapq.heappush(heap, (neg * probs[d][r2], order, d + 1, r2, node))
+                order += 1
+    return DraftTree(tokens, parents, depths, scores)
+
+
+def visibility(tree: DraftTree, device: torch.device | str = "cpu") -> torch.Tensor:
+    """bool [n+1, n+1] over [anchor, nodes...]: row i may attend to column j (j is i itself,
+    the anchor or an ancestor of i)."""
+    n = len(tree)
+    seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    seen[:, 0] = True
+    for i, parent in enumerate(tree.parents, start=1):
+        if parent >= 0:
+            seen[i] = seen[parent + 1]
+        seen[i, i] = True
+    return seen.to(device)
+
+
+def walk(tree: DraftTree, choices: list[int]) -> tuple[list[int], int]:
+    """Follow the target through the tree. `choices[0]` is the target's token after the anchor,
+    `choices[i]` its token after node i-1 (argmax, or its own draw when sampling).
+    Returns the accepted node indices (root first) and the token the target adds after them."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        children.setdefault(parent, {}).setdefault(tok, i)
+    path: list[int] = []
+    node = -1
+    while True:
+        nxt = children.get(node, {}).get(choices[node + 1])
+        if nxt is None:
+            return path, choices[node + 1]
+        path.append(nxt)
+        node = nxt
+
+
+def choose_tree_size(scores: list[float], pass_ms: list[float], draft_ms: float) -> int:
+    """The number of nodes n (1..len(scores)) that maximises expected tokens per block time,
+    (1 + sum of the first n scores) / (draft_ms + pass_ms[n]), where pass_ms[n] is the
+    target's pass over n + 1 tokens."""
+    if not scores:
+        raise ValueError("no nodes to choose from")
+    best, best_rate, expected = 1, -1.0, 1.0
+    for n, s in enumerate(scores, start=1):
+        expected += min(max(s, 0.0), 1.0)
+        rate = expected / (draft_ms + pass_ms[n])
+        if rate > best_rate:
+            best, best_rate = n, rate
+    return best
