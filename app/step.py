@@ -122,8 +122,12 @@ def step_html(result: StepResult | None, session: Session) -> str:
         targets[col] = _cell(target_tok, TARGET, f"target {kind}")
         verdicts.append('<td class="verdict">bonus</td>' if kind == "bonus" else "<td></td>")
         if ev.tree_nodes is not None:
+            guesses = (f", {ev.lookup_nodes} of them prompt-lookup guesses (text that already occurred)"
+                       if ev.lookup_nodes else "")
+            from_lookup = (f"; {ev.lookup_accepted} of the accepted tokens came from those guesses"
+                           if ev.lookup_accepted else "")
             checked = (f"checked a tree of {ev.tree_nodes} candidates (its likeliest alternatives at each position "
-                       f"too) in one forward pass; shown is the branch the target walked")
+                       f"too{guesses}) in one forward pass; shown is the branch the target walked{from_lookup}")
         elif ev.checked == n:
             checked = "checked them all in one forward pass"
         else:

@@ -57,7 +57,9 @@ it has a second and third guess at each position too. A tree spends the verify p
 alternatives: each candidate sits at its own position and sees only its own ancestors, the target's choice at \
 every candidate says which branch to follow, and only the accepted branch is kept. More tokens per target \
 forward for the same pass size, and still lossless: every kept token is the target's own choice (or, when \
-sampling, its own draw). A tree block shows the branch the target walked.
+sampling, its own draw). A tree block shows the branch the target walked. Trees also take *prompt-lookup* \
+guesses: after the last few committed tokens, whatever followed them the last time they occurred (code repeats \
+names, maths repeats numbers). They cost no model, and the target checks them in the same pass.
 """
 
 BEFORE_REPLY = "\n*Ask something in the Studio tab: this page then walks through your own reply, block by block.*\n"

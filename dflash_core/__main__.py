@@ -52,9 +52,12 @@ def decoding_options(max_new_tokens: int) -> argparse.ArgumentParser:
                    help="denoising steps per block (1 = DFlash as published)")
     g.add_argument("--verify", choices=VERIFY_MODES, default="auto",
                    help="how many draft tokens the target checks: full (the whole block), adaptive (the prefix "
-                        "worth a pass on this machine), auto (adaptive on CPU, full on GPU; default), tree-full "
-                        "(a tree of B-1 candidates: the drafter's likeliest alternatives too), tree (as many "
-                        "candidates as pay on this machine); trees need --steps 1 and the lean forward")
+                        "worth a pass on this machine), tree-full (a tree of B-1 candidates: the drafter's "
+                        "likeliest alternatives too), tree (as many candidates as pay on this machine), auto "
+                        "(default: on CPU tree when greedy, adaptive when sampling; full on GPU); trees need "
+                        "--steps 1 and the lean forward")
+    g.add_argument("--no-lookup", dest="lookup", action="store_false",
+                   help="trees: leave out prompt-lookup candidates (text that already occurred), drafter only")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
@@ -67,7 +70,7 @@ def generation_config(args: argparse.Namespace, **extra: object) -> GenerationCo
     """Built before any model loads, so a bad flag fails in milliseconds."""
     return GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, steps=args.steps,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            verify=args.verify,
+                            verify=args.verify, lookup=args.lookup,
                             **extra)
 
 

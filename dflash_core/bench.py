@@ -139,7 +139,9 @@ def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"
         if s.kind == "plain":
             methods.append(engine_method(engine, s.name, plain=True))
         elif s.kind == "dflash":
-            pin = {"verify": s.verify} if s.verify else {}
+            pin: dict[str, Any] = {"verify": s.verify} if s.verify else {}
+            if s.lookup is not None:
+                pin["lookup"] = s.lookup
             m = engine_method(engine, s.name, plain=False, block_size=s.block_size, steps=s.steps, **pin)
             assert engine.drafter is not None
             cfg = config or GenerationConfig()

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
+from .config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, TREE_MODES
 from .errors import DFlashError
 from .prompt_sets import Turns
 
@@ -58,6 +58,7 @@ class MethodSpec:
     block_size: int | None = None
     steps: int | None = None
     verify: str | None = None  # full / adaptive / tree / tree-full; None: the run's --verify
+    lookup: bool | None = None  # trees: with prompt-lookup candidates or not; None: the run's
 
 
 FIXED_METHODS = {
@@ -68,10 +69,10 @@ FIXED_METHODS = {
 }
 ALL_METHODS = ("plain", "hf-generate", "prompt-lookup", "dflash-b4", "dflash-b8", "dflash-b16",
                "dflash-b4-full", "dflash-b16-full", "dflash-b4-s2", "dflash-b8-s2", "dflash-b16-s2")
-_FAMILY = re.compile(r"dflash-b([1-9]\d*)(?:-s([1-9]\d*))?(?:-(full|adaptive|tree|tree-full))?")
+_FAMILY = re.compile(r"dflash-b([1-9]\d*)(?:-s([1-9]\d*))?(?:-(full|adaptive|tree|tree-full))?(-lookup)?")
 METHOD_HELP = ("plain, dflash (the run's --block-size/--steps/--verify), dflash-bN, dflash-bN-sK (block size N, "
-               "K denoising steps), either with -full, -adaptive, -tree or -tree-full (see --verify), hf-generate, "
-               "prompt-lookup, or all")
+               "K denoising steps), either with -full, -adaptive, -tree or -tree-full (see --verify; a tree with "
+               "-lookup adds prompt-lookup candidates), hf-generate, prompt-lookup, or all")
 
 
 def parse_method(name: str) -> MethodSpec:
@@ -83,7 +84,12 @@ def parse_method(name: str) -> MethodSpec:
     block = int(m[1])
     if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
         raise DFlashError(f"bench method {name!r}: block size must be {MIN_BLOCK_SIZE}..{MAX_BLOCK_SIZE}")
-    return MethodSpec(name, "dflash", block_size=block, steps=int(m[2] or 1), verify=m[3])
+    if m[4] and m[3] not in TREE_MODES:
+        raise DFlashError(f"bench method {name!r}: -lookup adds candidates to a tree; use -tree-lookup or "
+                          "-tree-full-lookup")
+    # A tree method names its lookup choice: -tree is the drafter alone, -tree-lookup adds guesses.
+    lookup = None if m[3] not in TREE_MODES else bool(m[4])
+    return MethodSpec(name, "dflash", block_size=block, steps=int(m[2] or 1), verify=m[3], lookup=lookup)
 
 
 def parse_methods(text: str | Sequence[str]) -> list[MethodSpec]:

@@ -22,8 +22,9 @@ class GenerationConfig:
     "full" the whole block, "adaptive" only the prefix worth a pass on this machine
     (dflash_core/verify_length.py), "auto" adaptive on a CPU and full on a GPU; "tree" checks
     several candidates per position in one pass, as many as pay on this machine, and
-    "tree-full" a tree of B-1 candidates every block (dflash_core/draft_tree.py). The output is
-    the same either way; only the speed differs.
+    "tree-full" a tree of B-1 candidates every block (dflash_core/draft_tree.py). `lookup` adds
+    prompt-lookup guesses (text that already occurred) to a tree's candidates (lookup.py). The
+    output is the same either way; only the speed differs.
     """
 
     max_new_tokens: int = 256
@@ -34,6 +35,7 @@ class GenerationConfig:
     top_k: int = 0
     seed: int = 0
     verify: str = "auto"
+    lookup: bool = True
     stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:

@@ -31,7 +31,7 @@ Which nodes are drafted never depends on a target draw, so nothing is biased.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,14 +45,19 @@ class DraftTree:
     tokens: list[int]
     parents: list[int]  # index of the parent node; -1: the anchor
     depths: list[int]  # block position of the node, 1..B-1
-    scores: list[float]  # non-increasing: the drafter's estimate that the target walks through the node
+    scores: list[float]  # non-increasing: the estimate that the target walks through the node
+    # Nodes only prompt lookup proposed (lookup.py), not the drafter; empty: none
+    from_lookup: list[bool] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def prefix(self, n: int) -> DraftTree:
         """The first n nodes: a tree too, since parents come first."""
-        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], self.from_lookup[:n])
+
+    def is_lookup(self, node: int) -> bool:
+        return node < len(self.from_lookup) and self.from_lookup[node]
 
     @property
     def depth(self) -> int:
@@ -107,6 +112,37 @@ def grow_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: int,
                 heapq.heappush(heap, (neg * probs[d][r2], order, d + 1, r2, node))
                 order += 1
     return DraftTree(tokens, parents, depths, scores)
+
+
+def add_chain(tree: DraftTree, tokens: list[int], scores: list[float]) -> DraftTree:
+    """`tree` with a chain of guesses below the anchor merged in (prompt lookup's): a guess
+    equal to an existing node under the same parent raises that node's score to the guess's;
+    the others become new nodes. Scores are then capped by their parent's, and the nodes
+    re-sorted best first (ties: shallower first), so every prefix is still a tree."""
+    toks, pars, deps = list(tree.tokens), list(tree.parents), list(tree.depths)
+    scs, looked = list(tree.scores), [tree.is_lookup(i) for i in range(len(tree))]
+    children = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks, strict=True))}
+    parent = -1
+    for depth, (tok, score) in enumerate(zip(tokens, scores, strict=True), start=1):
+        node = children.get((parent, tok))
+        if node is None:
+            node = len(toks)
+            toks.append(tok)
+            pars.append(parent)
+            deps.append(depth)
+            scs.append(score)
+            looked.append(True)
+            children[(parent, tok)] = node
+        else:
+            scs[node] = max(scs[node], score)
+        parent = node
+    for i, p in enumerate(pars):  # parents precede children here too, so one pass caps every path
+        if p >= 0:
+            scs[i] = min(scs[i], scs[p])
+    order = sorted(range(len(toks)), key=lambda i: (-scs[i], deps[i], i))
+    rank = {old: new for new, old in enumerate(order)}
+    return DraftTree([toks[i] for i in order], [rank[pars[i]] if pars[i] >= 0 else -1 for i in order],
+                     [deps[i] for i in order], [scs[i] for i in order], [looked[i] for i in order])
 
 
 def visibility(tree: DraftTree, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -18,11 +18,12 @@ import torch
 
 from . import kernels
 from .config import TREE_MODES, GenerationConfig
-from .draft_tree import BRANCHING, DraftTree, choose_tree_size, grow_tree, visibility, walk
+from .draft_tree import BRANCHING, DraftTree, add_chain, choose_tree_size, grow_tree, visibility, walk
 from .drafter import DFlashDrafter, check_fit
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
 from .fast_forward import Linear, pack_weight
+from .lookup import LookupRates, NgramIndex
 from .targets import Target
 from .verify import draw_uniforms, greedy_accept, logits_to_probs, sample, speculative_accept
 from .verify_length import VerifyCost, choose_verify_length, measure_verify_cost, next_draft_length, resolve_mode
@@ -171,6 +172,9 @@ class Engine:
         out: list[int] = []
         state = _Tally(prompt_tokens=len(ids), prefill_s=prefill_s, t0=t0, warnings=warnings)
         kept, reason = stopper.commit(out, [first])
+        # Tree modes may add prompt-lookup guesses to the drafter's candidates (lookup.py).
+        ngrams = NgramIndex(ids + out) if tree_mode and cfg.lookup else None
+        rates = LookupRates()
         yield self._event(0, len(ids), None, 0, first, kept, 0.0, prefill_s * 1e3, out)
 
         dcache = None if plain else self.drafter.new_cache(cache_len)
@@ -207,6 +211,10 @@ class Engine:
             draft = self.draft_block(anchor, start, pending, dcache, draft_len, cfg, gen)
             if tree_mode:
                 tree = self._draft_tree(draft)
+                guess_n, guess = (0, []) if ngrams is None else ngrams.guess(block - 1)
+                if guess:
+                    tree = add_chain(tree, guess, rates.scores(guess_n, len(guess)))
+                tree = tree.prefix(block - 1)  # a pass never exceeds the block size
                 if cost is not None:  # as many candidates as pay for their share of the pass
                     draft_ms = (state.draft_s + time.perf_counter() - t1) * 1e3 / (state.blocks + 1)
                     tree = tree.prefix(choose_tree_size(tree.scores, [cost(n + 1) for n in range(len(tree) + 1)],
@@ -223,9 +231,14 @@ class Engine:
                 state.blocks += 1
                 state.accepted.append(acc)
                 shown = self._walked_draft(tree, line, draft)
-                kept, reason = stopper.commit(out, [*shown.tokens[:acc].tolist(), tok])
-                yield self._event(index, start, shown, acc, tok, kept, (t2 - t1) * 1e3, (t3 - t2) * 1e3, out,
-                                  verified=len(line), tree_nodes=len(tree))
+                new = [*shown.tokens[:acc].tolist(), tok]
+                kept, reason = stopper.commit(out, new)
+                if ngrams is not None:
+                    rates.update(guess_n, guess, new)
+                    ngrams.extend(kept)
+                looked = (sum(tree.from_lookup), sum(tree.is_lookup(i) for i in line[:acc]))
+                yield self._event(index, start, shown, acc, tok, kept, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
+                                  out, verified=len(line), tree_nodes=len(tree), lookup=looked)
                 start += acc + 1
                 continue
             tokens, q = draft.tokens, draft.q
@@ -390,7 +403,8 @@ class Engine:
 
     def _event(self, index: int, start: int, draft: Draft | None, accepted: int, token: int,
                committed: list[int], draft_ms: float, verify_ms: float, out: list[int],
-               verified: int | None = None, tree_nodes: int | None = None) -> BlockEvent:
+               verified: int | None = None, tree_nodes: int | None = None,
+               lookup: tuple[int, int] | None = None) -> BlockEvent:
         target = self.target
         steps: list[DraftStep] = []
         draft_ids: list[int] = []
@@ -405,6 +419,7 @@ class Engine:
             committed=committed, draft_ms=draft_ms, verify_ms=verify_ms, tokens_so_far=len(out),
             text=target.decode(out), committed_text=target.token_strings(committed),
             draft_text=target.token_strings(draft_ids), verified=verified, tree_nodes=tree_nodes,
+            lookup_nodes=None if lookup is None else lookup[0], lookup_accepted=None if lookup is None else lookup[1],
         )
 
 

@@ -42,6 +42,10 @@ class BlockEvent:
     # best-scored candidates below the last one: the `verified` prefix), followed by the drafter's
     # first choices at deeper positions. None: a chain, `draft` as drafted.
     tree_nodes: int | None = None
+    # Of those candidates, how many only prompt lookup proposed (lookup.py), and how many of the
+    # accepted drafts were such guesses. None: a chain.
+    lookup_nodes: int | None = None
+    lookup_accepted: int | None = None
 
     @property
     def pass_tokens(self) -> int:

@@ -58,6 +58,13 @@ def test_all_expands_to_the_scoreboard() -> None:
     assert bench_stats.parse_method("dflash-b4-s2-adaptive").verify == "adaptive"
     assert bench_stats.parse_method("dflash-b16-tree").verify == "tree"
     assert bench_stats.parse_method("dflash-b16-tree-full").verify == "tree-full"
+    # A tree method names its candidates: the drafter alone, or with prompt-lookup guesses.
+    assert bench_stats.parse_method("dflash-b16-tree").lookup is False
+    assert bench_stats.parse_method("dflash-b16-tree-lookup").lookup is True
+    assert bench_stats.parse_method("dflash-b8-tree-full-lookup").verify == "tree-full"
+    assert bench_stats.parse_method("dflash-b16-adaptive").lookup is None
+    with pytest.raises(DFlashError, match="adds candidates to a tree"):
+        bench_stats.parse_method("dflash-b16-adaptive-lookup")
     with pytest.raises(DFlashError):
         bench_stats.parse_method("dflash-b16-forest")
     assert by_name["dflash-b8"].verify is None  # the run's --verify

@@ -145,13 +145,14 @@ class TreeRecordingEngine(Engine):
 
 
 @pytest.mark.parametrize("block", [2, 4, 8, 16])
-@pytest.mark.parametrize("mode", ["tree", "tree-full"])
+@pytest.mark.parametrize(("mode", "lookup"), [("tree", True), ("tree-full", True), ("tree-full", False)])
 def test_tree_output_is_plain_greedy_output(target: Target, shipped_engine: Engine,  # noqa: F811
                                             plain_outputs: list[list[int]], block: int, mode: str,  # noqa: F811
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+                                            lookup: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(target, "verify_cost", CPU_LIKE)  # choices independent of this machine's noise
     eng = TreeRecordingEngine(target, shipped_engine.drafter)
-    cfg = GenerationConfig(max_new_tokens=40, block_size=block, verify=mode)
+    cfg = GenerationConfig(max_new_tokens=40, block_size=block, verify=mode, lookup=lookup)
+    guessed = 0
     for prompt, plain in zip(PROMPTS, plain_outputs, strict=True):
         events, fin = run(eng, prompt, cfg)
         check_events(events, fin, prompt_len=fin.prompt_tokens, max_new=40, block=block, eos=target.eos_ids,
@@ -160,6 +161,10 @@ def test_tree_output_is_plain_greedy_output(target: Target, shipped_engine: Engi
         assert all(ev.tree_nodes is not None and 1 <= ev.tree_nodes <= block - 1 for ev in events[1:])
         if mode == "tree-full":
             assert all(ev.tree_nodes == block - 1 for ev in events[1:])
+        assert all(0 <= (ev.lookup_accepted or 0) <= min(ev.accepted, ev.lookup_nodes or 0) for ev in events[1:])
+        guessed += sum(ev.lookup_accepted or 0 for ev in events[1:])
+    # Replies repeat the prompt's words: prompt-lookup guesses get accepted, and only when asked for.
+    assert (guessed > 0) == lookup
     # The shipped drafter's second or third candidates are accepted at times: those blocks keep
     # rows that are not the tree's first ones, the case the cache compaction exists for.
     if block > 2:
@@ -193,12 +198,12 @@ def test_forced_drafts_in_tree_mode(target: Target, random_drafter: DFlashDrafte
     assert not todo, f"accepted lengths never produced: {sorted(todo)}"
 
 
-@pytest.mark.parametrize("mode", ["tree", "tree-full"])
-def test_tree_sampling_matches_target_distribution(toy_engine: Engine, mode: str,  # noqa: F811
+@pytest.mark.parametrize(("mode", "lookup"), [("tree", True), ("tree-full", True), ("tree-full", False)])
+def test_tree_sampling_matches_target_distribution(toy_engine: Engine, mode: str, lookup: bool,  # noqa: F811
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     engine = toy_engine
     monkeypatch.setattr(engine.target, "verify_cost", CPU_LIKE)
-    cfg = GenerationConfig(max_new_tokens=3, temperature=1.0, block_size=3, verify=mode)
+    cfg = GenerationConfig(max_new_tokens=3, temperature=1.0, block_size=3, verify=mode, lookup=lookup)
     exact = exact_distribution(engine.target, cfg)
     counts, tau = sampled_counts(engine, cfg)
     assert 1.0 < tau < 3.0

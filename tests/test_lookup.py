@@ -1,0 +1,70 @@
+"""Prompt-lookup candidates (dflash_core/lookup.py) and merging them into a draft tree."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dflash_core.draft_tree import add_chain, grow_tree
+from dflash_core.lookup import PRIOR, LookupRates, NgramIndex
+
+
+def brute_guess(ids: list[int], length: int, max_ngram: int = 3) -> tuple[int, list[int]]:
+    """The latest earlier occurrence of the last n tokens (longest n first), searched directly."""
+    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
+        tail = ids[-n:]
+        for s in range(len(ids) - n - 1, -1, -1):
+            if ids[s : s + n] == tail:
+                return n, ids[s + n : s + n + length]
+    return 0, []
+
+
+def test_index_matches_a_direct_search_as_tokens_arrive() -> None:
+    rng = random.Random(0)
+    for trial in range(20):
+        vocab = 3 + trial % 5  # small vocabularies: many repeats
+        index = NgramIndex()
+        ids: list[int] = []
+        for _ in range(60):
+            chunk = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
+            index.extend(chunk)
+            ids.extend(chunk)
+            assert index.guess(6) == brute_guess(ids, 6)
+
+
+def test_index_examples() -> None:
+    index = NgramIndex([5, 6, 7, 8, 9, 5, 6, 7])
+    assert index.guess(3) == (3, [8, 9, 5])  # "5 6 7" occurred before, followed by 8 9 5
+    assert NgramIndex([1, 2, 3]).guess(4) == (0, [])  # nothing repeats
+    assert NgramIndex([4, 1, 2, 4]).guess(2) == (1, [1, 2])
+
+
+def test_rates_start_at_the_prior_and_learn() -> None:
+    rates = LookupRates()
+    assert rates.scores(3, 2) == pytest.approx([PRIOR[(3, 0)], PRIOR[(3, 0)] * PRIOR[(3, 1)]])
+    for _ in range(50):
+        rates.update(3, [7, 8], [7, 9])  # first guessed token right, second wrong
+    first, second = rates.scores(3, 2)
+    assert first > PRIOR[(3, 0)]
+    assert second / first < PRIOR[(3, 1)]
+    assert rates.scores(9, 6)[-1] == pytest.approx(rates.scores(3, 6)[-1])  # long n-grams and positions pool
+
+
+def test_chain_merges_into_the_tree() -> None:
+    tree = grow_tree([[0.5, 0.3], [0.6, 0.2]], [[10, 11], [20, 21]], max_nodes=6, branching=2)
+    merged = add_chain(tree, [10, 22, 30], [0.9, 0.8, 0.7])
+    assert len(merged) == len(tree) + 2  # 10 existed under the anchor; 22 and 30 are new
+    assert sorted(zip(merged.tokens, merged.depths, strict=True)) == sorted(
+        [*zip(tree.tokens, tree.depths, strict=True), (22, 2), (30, 3)])
+    assert merged.scores == sorted(merged.scores, reverse=True)
+    for i, p in enumerate(merged.parents):
+        assert p < i and (p < 0 or merged.scores[i] <= merged.scores[p])
+    ten = merged.tokens.index(10)
+    assert merged.scores[ten] == pytest.approx(0.9) and not merged.is_lookup(ten)  # the drafter's node, raised
+    new = [i for i in range(len(merged)) if merged.is_lookup(i)]
+    assert [merged.tokens[i] for i in new] == [22, 30]
+    assert merged.path_to(merged.tokens.index(30)) == [ten, merged.tokens.index(22), merged.tokens.index(30)]
+    # Low-scored guesses go after every drafter node, and a prefix leaves them out.
+    low = add_chain(tree, [12], [0.01])
+    assert low.tokens[-1] == 12 and low.prefix(len(tree)).tokens == tree.tokens
