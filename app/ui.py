@@ -222,8 +222,9 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
                     verify = gr.Radio(list(VERIFY_MODES), value="auto", label="verify length",
                                       interactive=drafter is not None,
                                       info="full: the target checks every draft; adaptive: only the prefix worth a "
-                                           "pass on this machine; auto: adaptive on CPU, full on GPU; tree / "
-                                           "tree-full: the drafter's likeliest alternatives too (1 denoising step)")
+                                           "pass on this machine; tree / tree-full: the drafter's likeliest "
+                                           "alternatives and prompt-lookup guesses too (1 denoising step); auto: "
+                                           "on CPU tree when greedy, adaptive when sampling; full on GPU")
                     temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature", info="0 = greedy")
                     top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
                     max_new = gr.Slider(1, 1024, value=128, step=1, label="max new tokens")

@@ -20,9 +20,10 @@ class GenerationConfig:
     denoising steps per block: 1 is DFlash as published (one parallel draft pass).
     `temperature=0` is greedy decoding. `verify` says how many draft tokens the target checks:
     "full" the whole block, "adaptive" only the prefix worth a pass on this machine
-    (dflash_core/verify_length.py), "auto" adaptive on a CPU and full on a GPU; "tree" checks
-    several candidates per position in one pass, as many as pay on this machine, and
-    "tree-full" a tree of B-1 candidates every block (dflash_core/draft_tree.py). `lookup` adds
+    (dflash_core/verify_length.py); "tree" checks several candidates per position in one pass,
+    as many as pay on this machine, and "tree-full" a tree of B-1 candidates every block
+    (dflash_core/draft_tree.py); "auto" is full on a GPU and, on a CPU, tree when greedy (where
+    a tree pass can run) and adaptive when sampling (`verify_length.resolve_mode`). `lookup` adds
     prompt-lookup guesses (text that already occurred) to a tree's candidates (lookup.py). The
     output is the same either way; only the speed differs.
     """

@@ -13,8 +13,8 @@ the target walks through the node. Measured on the shipped drafter, those scores
 calibrated (nodes scored 0.3-0.4 lie on the target's path 35 % of the time), so the sum of
 the scores of a tree is its expected number of accepted drafts. Best-first growth adds nodes
 in non-increasing score order, so every prefix of the node list is itself a tree (a parent
-always comes before its children) and sizing a tree is choosing a prefix length, exactly like
-the adaptive chain length (`verify_length.py`).
+always comes before its children) and sizing a tree is choosing a prefix length, by the same
+rule as the adaptive chain length (`verify_length.choose_prefix`).
 
 The target reads [anchor, node 1, ..., node n] in one pass: node i sits at position
 start + depth(i) and attends to the committed context, the anchor and its own ancestors
@@ -174,17 +174,3 @@ def walk(tree: DraftTree, choices: list[int]) -> tuple[list[int], int]:
         path.append(nxt)
         node = nxt
 
-
-def choose_tree_size(scores: list[float], pass_ms: list[float], draft_ms: float) -> int:
-    """The number of nodes n (1..len(scores)) that maximises expected tokens per block time,
-    (1 + sum of the first n scores) / (draft_ms + pass_ms[n]), where pass_ms[n] is the
-    target's pass over n + 1 tokens."""
-    if not scores:
-        raise ValueError("no nodes to choose from")
-    best, best_rate, expected = 1, -1.0, 1.0
-    for n, s in enumerate(scores, start=1):
-        expected += min(max(s, 0.0), 1.0)
-        rate = expected / (draft_ms + pass_ms[n])
-        if rate > best_rate:
-            best, best_rate = n, rate
-    return best

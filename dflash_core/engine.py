@@ -18,7 +18,7 @@ import torch
 
 from . import kernels
 from .config import TREE_MODES, GenerationConfig
-from .draft_tree import BRANCHING, DraftTree, add_chain, choose_tree_size, grow_tree, visibility, walk
+from .draft_tree import BRANCHING, DraftTree, add_chain, grow_tree, visibility, walk
 from .drafter import DFlashDrafter, check_fit
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
@@ -26,7 +26,14 @@ from .fast_forward import Linear, pack_weight
 from .lookup import LookupRates, NgramIndex
 from .targets import Target
 from .verify import draw_uniforms, greedy_accept, logits_to_probs, sample, speculative_accept
-from .verify_length import VerifyCost, choose_verify_length, measure_verify_cost, next_draft_length, resolve_mode
+from .verify_length import (
+    VerifyCost,
+    choose_prefix,
+    choose_verify_length,
+    measure_verify_cost,
+    next_draft_length,
+    resolve_mode,
+)
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 Event = BlockEvent | Finished
@@ -217,8 +224,7 @@ class Engine:
                 tree = tree.prefix(block - 1)  # a pass never exceeds the block size
                 if cost is not None:  # as many candidates as pay for their share of the pass
                     draft_ms = (state.draft_s + time.perf_counter() - t1) * 1e3 / (state.blocks + 1)
-                    tree = tree.prefix(choose_tree_size(tree.scores, [cost(n + 1) for n in range(len(tree) + 1)],
-                                                        draft_ms))
+                    tree = tree.prefix(choose_prefix(tree.scores, cost, draft_ms))
                     verified.append(tree.depth)
                     draft_len = next_draft_length(verified, draft_len, block)
                 t2 = time.perf_counter()
@@ -300,7 +306,8 @@ class Engine:
         """What a tree block shows: the line the target walked (all verified), then the drafter's
         first choices at the deeper drafted positions (not verified), as one denoising step."""
         tokens = [tree.tokens[i] for i in line]
-        # The drafter's own probability of each walked token: a node's score over its parent's.
+        # Each walked token's own probability: a node's score over its parent's (the drafter's
+        # probability, or a prompt-lookup guess's running rate where that was higher).
         probs = [tree.scores[i] / max(tree.scores[tree.parents[i]], 1e-30) if tree.parents[i] >= 0
                  else tree.scores[i] for i in line]
         tokens += draft.tokens[len(line):].tolist()

@@ -321,12 +321,7 @@ class FastForward:
         # Queries attend to every cached key and causally among themselves; SDPA's is_causal is
         # top-left aligned, so it is only right when nothing is cached yet.
         mask = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril_(start) if n > 1 and start else None
-
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys, values = cache.layers[i].update(k.unsqueeze(0), v.unsqueeze(0))
-            return self._attention(q, keys, values, mask, causal=mask is None)
-
-        return self._layers(ids, cos[start:end], sin[start:end], attend, layer_ids, last_only)
+        return self._appending(ids, cos[start:end], sin[start:end], cache, mask, layer_ids, last_only)
 
     @torch.inference_mode()
     def tree_forward(
@@ -343,12 +338,20 @@ class FastForward:
         positions = depths.to(ids.device) + start
         cos, sin = self._rope(int(positions.max()) + 1)
         mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=ids.device), visible.to(ids.device)], 1)
+        return self._appending(ids, cos[positions], sin[positions], cache, mask, layer_ids, last_only=False)
+
+    def _appending(
+        self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TargetCache, mask: torch.Tensor | None,
+        layer_ids: list[int] | None, last_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pass over `ids` that appends their keys/values after what `cache` holds and attends
+        under `mask` (None: SDPA's own causal mask, right when nothing precedes the rows)."""
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             keys, values = cache.layers[i].update(k.unsqueeze(0), v.unsqueeze(0))
-            return self._attention(q, keys, values, mask)
+            return self._attention(q, keys, values, mask, causal=mask is None)
 
-        return self._layers(ids, cos[positions], sin[positions], attend, layer_ids, last_only=False)
+        return self._layers(ids, cos, sin, attend, layer_ids, last_only)
 
     @torch.inference_mode()
     def static_forward(

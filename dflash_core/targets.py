@@ -258,7 +258,6 @@ class Target:
             feats = torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1)
         return out.logits[0].float(), feats
 
-
     @property
     def supports_tree(self) -> bool:
         """Tree verification needs the lean forward (its own attention mask and positions)."""

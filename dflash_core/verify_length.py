@@ -89,16 +89,26 @@ class VerifyCost:
 
 def choose_verify_length(confidence: list[float], cost: VerifyCost, draft_ms: float) -> int:
     """The number of draft tokens (1..len(confidence)) worth verifying; see the module text."""
-    if not confidence:
-        raise ValueError("no draft tokens to choose from")
-    best, best_rate = 1, -1.0
-    expected, chain = 1.0, 1.0
-    for m, c in enumerate(confidence, start=1):
+    chain, scores = 1.0, []
+    for c in confidence:
         chain *= min(max(float(c), 0.0), 1.0)
-        expected += chain
-        rate = expected / (draft_ms + cost(m + 1))
+        scores.append(chain)  # the chance that the target accepts this draft and all before it
+    return choose_prefix(scores, cost, draft_ms)
+
+
+def choose_prefix(scores: list[float], cost: VerifyCost, draft_ms: float) -> int:
+    """The number n (1..len(scores)) of candidates worth verifying, where scores[i] is the chance
+    that candidate i is accepted (a chain's prefix products, or a draft tree's node scores, best
+    first): it maximises expected tokens per block time, (1 + sum of the first n scores) /
+    (draft_ms + cost(n + 1))."""
+    if not scores:
+        raise ValueError("no draft tokens to choose from")
+    best, best_rate, expected = 1, -1.0, 1.0
+    for n, s in enumerate(scores, start=1):
+        expected += min(max(s, 0.0), 1.0)
+        rate = expected / (draft_ms + cost(n + 1))
         if rate > best_rate:
-            best, best_rate = m, rate
+            best, best_rate = n, rate
     return best
 
 

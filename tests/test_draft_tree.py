@@ -15,11 +15,12 @@ from test_verify_length import CPU_LIKE, PROMPTS, plain_outputs, shipped_engine 
 
 import dflash_core.engine as engine_module
 from dflash_core.config import GenerationConfig
-from dflash_core.draft_tree import DraftTree, choose_tree_size, grow_tree, visibility, walk
+from dflash_core.draft_tree import DraftTree, grow_tree, visibility, walk
 from dflash_core.drafter import DFlashDrafter
 from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
 from dflash_core.targets import Target
+from dflash_core.verify_length import VerifyCost, choose_prefix
 
 # Top-3 candidates at three block positions: probabilities (descending) and token ids.
 PROBS = [[0.5, 0.3, 0.1], [0.6, 0.2, 0.1], [0.9, 0.05, 0.01]]
@@ -76,12 +77,12 @@ def test_walk_follows_the_targets_choices() -> None:
 
 
 def test_tree_size_pays_for_its_pass() -> None:
-    flat = [10.0] * 9  # a pass costs the same for any size: take every node
-    assert choose_tree_size([0.5, 0.3, 0.2, 0.1], flat, 1.0) == 4
-    steep = [10.0 * (1 + n) for n in range(9)]  # every node costs as much as a whole token
-    assert choose_tree_size([0.5, 0.3, 0.2, 0.1], steep, 0.0) == 1
+    flat = VerifyCost((1, 16), (10.0, 10.0))  # a pass costs the same for any size: take every node
+    assert choose_prefix([0.5, 0.3, 0.2, 0.1], flat, 1.0) == 4
+    steep = VerifyCost((1, 2), (10.0, 20.0))  # every node costs as much as a whole token
+    assert choose_prefix([0.5, 0.3, 0.2, 0.1], steep, 0.0) == 1
     with pytest.raises(ValueError):
-        choose_tree_size([], flat, 1.0)
+        choose_prefix([], flat, 1.0)
 
 
 def test_tree_needs_one_denoising_step() -> None:
