@@ -38,6 +38,13 @@ import torch
 BRANCHING = 8  # children tried per node: the top-8 tokens at the next position
 
 
+def max_tree_nodes(block: int, sized: bool) -> int:
+    """Draft nodes a pass may verify: a block's worth for `tree-full`; twice that for the sized
+    `tree`, whose cost table decides how many pay (where a pass of 32 tokens costs little more
+    than one, as bf16 on AMX CPUs, wide trees do)."""
+    return 2 * block - 1 if sized else block - 1
+
+
 @dataclass(frozen=True)
 class DraftTree:
     """Draft nodes in best-first order (a parent always before its children)."""
@@ -55,6 +62,12 @@ class DraftTree:
     def prefix(self, n: int) -> DraftTree:
         """The first n nodes: a tree too, since parents come first."""
         return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], self.from_lookup[:n])
+
+    @property
+    def drafter_depth(self) -> int:
+        """The deepest node the drafter proposed (prompt lookup's chains may run deeper): how far
+        the next block needs drafting."""
+        return max((d for i, d in enumerate(self.depths) if not self.is_lookup(i)), default=0)
 
     def is_lookup(self, node: int) -> bool:
         return node < len(self.from_lookup) and self.from_lookup[node]

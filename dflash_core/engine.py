@@ -18,7 +18,7 @@ import torch
 
 from . import kernels
 from .config import TREE_MODES, GenerationConfig
-from .draft_tree import BRANCHING, DraftTree, add_chain, grow_tree, visibility, walk
+from .draft_tree import BRANCHING, DraftTree, add_chain, grow_tree, max_tree_nodes, visibility, walk
 from .drafter import DFlashDrafter, check_fit
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
@@ -79,13 +79,15 @@ class Engine:
             drafter.to(device=target.device, dtype=target.dtype).eval()
         self._draft_head = self._draft_vocab_head()
 
-    def verify_cost_for(self, block: int) -> VerifyCost:
+    def verify_cost_for(self, block: int, upto: int | None = None) -> VerifyCost:
         """The target's measured pass times, covering blocks up to at least `block` tokens
-        (measured on first use: a few seconds; kept on the target for every engine)."""
+        (measured on first use, up to `upto` tokens: a few seconds; kept on the target for every
+        engine; beyond the table the cost follows its last segment's slope)."""
         cost = self.target.verify_cost
         if cost is None or cost.sizes[-1] < block:
             layer_ids = None if self.drafter is None else self.drafter.config.target_layer_ids
-            cost = self.target.verify_cost = measure_verify_cost(self.target, layer_ids, max(block, 16))
+            cost = measure_verify_cost(self.target, layer_ids, max(block, upto or block, 16))
+            self.target.verify_cost = cost
         return cost
 
     def _draft_vocab_head(self) -> tuple[torch.Tensor, Linear] | None:
@@ -155,10 +157,6 @@ class Engine:
             max_new = room
         stopper = _Stopper(target, target.eos_ids, max_new, "context" if max_new == room else "length", cfg.stop)
         block = 1 if plain else (cfg.block_size or self.drafter.block_size)
-        cache_len = len(ids) + max_new + block + 1
-        tcache = target.new_cache(cache_len)
-        gen = torch.Generator(device=dev).manual_seed(cfg.seed)
-        layer_ids = None if plain else self.drafter.config.target_layer_ids
         mode = None if plain else resolve_mode(cfg.verify, dev, greedy=cfg.greedy,
                                                tree_ok=target.supports_tree and cfg.steps == 1)
         if mode in TREE_MODES and not target.supports_tree:
@@ -168,7 +166,12 @@ class Engine:
             mode = fallback
         tree_mode = mode in TREE_MODES
         adaptive = mode in ("adaptive", "tree")
-        cost = self.verify_cost_for(block) if adaptive else None
+        tree_cap = max_tree_nodes(block, sized=adaptive)
+        cost = self.verify_cost_for(block, upto=tree_cap + 1 if tree_mode else block) if adaptive else None
+        cache_len = len(ids) + max_new + max(block, tree_cap + 1 if tree_mode else 0) + 1
+        tcache = target.new_cache(cache_len)
+        gen = torch.Generator(device=dev).manual_seed(cfg.seed)
+        layer_ids = None if plain else self.drafter.config.target_layer_ids
         draft_len = block  # adaptive: drafts only as far as recent blocks were worth verifying
         verified: list[int] = []
         t0 = time.perf_counter()
@@ -217,15 +220,15 @@ class Engine:
             t1 = time.perf_counter()
             draft = self.draft_block(anchor, start, pending, dcache, draft_len, cfg, gen)
             if tree_mode:
-                tree = self._draft_tree(draft)
+                tree = self._draft_tree(draft, tree_cap)
                 guess_n, guess = (0, []) if ngrams is None else ngrams.guess(block - 1)
                 if guess:
                     tree = add_chain(tree, guess, rates.scores(guess_n, len(guess)))
-                tree = tree.prefix(block - 1)  # a pass never exceeds the block size
+                tree = tree.prefix(tree_cap)
                 if cost is not None:  # as many candidates as pay for their share of the pass
                     draft_ms = (state.draft_s + time.perf_counter() - t1) * 1e3 / (state.blocks + 1)
                     tree = tree.prefix(choose_prefix(tree.scores, cost, draft_ms))
-                    verified.append(tree.depth)
+                    verified.append(tree.drafter_depth)
                     draft_len = next_draft_length(verified, draft_len, block)
                 t2 = time.perf_counter()
                 rows, line, tok, feats = self._verify_tree(anchor, tree, tcache, layer_ids, cfg, gen)
@@ -292,14 +295,14 @@ class Engine:
     # ----- tree verification -----
 
     @staticmethod
-    def _draft_tree(draft: Draft) -> DraftTree:
+    def _draft_tree(draft: Draft, max_nodes: int) -> DraftTree:
         """The candidates of a block, best first. A draft without top-k candidates (a test's
         forced draft) is a chain: one candidate per position."""
         if draft.top is None:
             toks, probs = draft.tokens.tolist(), draft.probs.tolist()
-            return grow_tree([[p] for p in probs], [[t] for t in toks], len(toks))
+            return grow_tree([[p] for p in probs], [[t] for t in toks], max_nodes)
         top_p, top_i = draft.top
-        return grow_tree(top_p.tolist(), top_i.tolist(), len(top_p))
+        return grow_tree(top_p.tolist(), top_i.tolist(), max_nodes)
 
     @staticmethod
     def _walked_draft(tree: DraftTree, line: list[int], draft: Draft) -> Draft:

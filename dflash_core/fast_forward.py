@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import batch_invariant
+from .batch_invariant import AttentionPlan, InvariantLinear
 from .cache import TargetCache
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
@@ -187,7 +189,7 @@ class PackingLinear(torch.nn.Linear):
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _linear(module: Any, pack: bool) -> Linear:
+def _plain(module: Any, pack: bool) -> Linear:
     w = module.weight.detach()
     b = None if getattr(module, "bias", None) is None else module.bias.detach()
     return Linear(w, b, pack_weight(w) if pack else None)
@@ -233,7 +235,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class FastForward:
     """`forward(ids, cache, layer_ids, last_only)` for a supported model; see `Target.forward`."""
 
-    def __init__(self, model: Any, pack: bool | None = None) -> None:
+    def __init__(self, model: Any, pack: bool | None = None, invariant: bool | None = None) -> None:
+        """`invariant`: bf16 maths whose rows never depend on the pass (batch_invariant.py);
+        None = wherever the model is bf16 on a CPU with AMX."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"no lean forward for this model: {reason}")
@@ -244,26 +248,39 @@ class FastForward:
         self.scale = self.head_dim**-0.5
         eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
         weight = inner.embed_tokens.weight
-        if pack is None:  # where packing applies at all (CPU fp32, MKL) `pack_weight` decides
+        if invariant is None:
+            invariant = (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+                         and batch_invariant.amx_bf16_available())
+        self.invariant = invariant
+        if invariant:
+            pack = False  # oneDNN reorders the bf16 weights instead
+        elif pack is None:  # where packing applies at all (CPU fp32, MKL) `pack_weight` decides
             linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                                if n.endswith("proj.weight"))
             linear_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
             pack = linear_bytes < _available_memory() // 2
         self.embed = weight.detach()
         self.layers = []
+
+        def make_linear(module: Any, pack: bool) -> Linear | InvariantLinear:
+            if invariant:
+                return InvariantLinear.of(module.weight, getattr(module, "bias", None))
+            return _plain(module, pack)
+
         for block in inner.layers:
             a, m = block.self_attn, block.mlp
             self.layers.append(Layer(
                 attn_norm=_norm(block.input_layernorm, eps),
-                q=_linear(a.q_proj, pack), k=_linear(a.k_proj, pack), v=_linear(a.v_proj, pack),
-                o=_linear(a.o_proj, pack),
+                q=make_linear(a.q_proj, pack), k=make_linear(a.k_proj, pack), v=make_linear(a.v_proj, pack),
+                o=make_linear(a.o_proj, pack),
                 q_norm=_norm(a.q_norm, eps) if hasattr(a, "q_norm") else None,
                 k_norm=_norm(a.k_norm, eps) if hasattr(a, "k_norm") else None,
                 mlp_norm=_norm(block.post_attention_layernorm, eps),
-                gate=_linear(m.gate_proj, pack), up=_linear(m.up_proj, pack), down=_linear(m.down_proj, pack),
+                gate=make_linear(m.gate_proj, pack), up=make_linear(m.up_proj, pack),
+                down=make_linear(m.down_proj, pack),
             ))
         self.final_norm = _norm(inner.norm, eps)
-        self.head = _linear(model.lm_head, pack)
+        self.head = make_linear(model.lm_head, pack)
         if self.packed and not self._packed_shapes_agree():
             for lin in self._linears():
                 lin.packed = None
@@ -275,9 +292,10 @@ class FastForward:
 
     @property
     def packed(self) -> bool:
-        return self.head.packed is not None
+        """MKL-packed fp32 weights (the invariant bf16 path reorders its own for oneDNN)."""
+        return not self.invariant and self.head.packed is not None
 
-    def _linears(self) -> list[Linear]:
+    def _linears(self) -> list[Linear | InvariantLinear]:
         return [*(lin for la in self.layers for lin in (la.q, la.k, la.v, la.o, la.gate, la.up, la.down)),
                 self.head]
 
@@ -290,12 +308,43 @@ class FastForward:
         rows = (PACKED_MIN_ROWS, PACK_BATCH_HINT, PACK_BATCH_HINT + 1, 64)
         seen: set[tuple[int, ...]] = set()
         for lin in self._linears():
-            if lin.packed is None or tuple(lin.weight.shape) in seen:
+            if not isinstance(lin, Linear) or lin.packed is None or tuple(lin.weight.shape) in seen:
                 continue
             seen.add(tuple(lin.weight.shape))
             if not _packed_agrees(lin.weight, lin.bias, lin.packed, rows, gen):
                 return False
         return True
+
+    @torch.inference_mode()
+    def rows_agree(self) -> bool:
+        """A verify pass and a tree pass give plain decoding's logits bit for bit, here, on this
+        model: the batch-invariant path's promise, checked once when a target is loaded (~0.5 s
+        for SmolLM2 on 2 cores). The passes cross an attention chunk boundary, and the tree puts
+        a second branch's rows between the first branch's, so ancestors are gathered."""
+        vocab = self.embed.shape[0]
+        ids = (torch.arange(72, device=self.embed.device) * 7919 + 11) % vocab
+        start, steps = batch_invariant.CHUNK - 3, 8
+
+        def primed() -> TargetCache:
+            cache = TargetCache(len(self.layers), start + 2 * steps)
+            self.forward(ids[None, :start], cache)
+            return cache
+
+        cache = primed()
+        plain = torch.cat([self.forward(ids[None, i : i + 1], cache)[0] for i in range(start, start + steps)])
+        chain = self.forward(ids[None, start : start + steps], primed())[0]
+        # Rows: anchor, a1, b1, a2, b2, a3; the a-branch follows the plain tokens.
+        a, other = ids[start : start + 4], (ids[start + 1 : start + 3] + 1) % vocab
+        tree_ids = torch.stack([a[0], a[1], other[0], a[2], other[1], a[3]])[None]
+        parents = [-1, 0, 0, 1, 2, 3]
+        depths = torch.tensor([0, 1, 1, 2, 2, 3], device=ids.device)
+        seen = torch.zeros(6, 6, dtype=torch.bool, device=ids.device)
+        for r, parent in enumerate(parents):
+            if parent >= 0:
+                seen[r] = seen[parent]
+            seen[r, r] = True
+        tree = self.tree_forward(tree_ids, depths, seen, primed())[0]
+        return torch.equal(plain, chain) and torch.equal(tree[[0, 1, 3, 5]], plain[:4])
 
     def _rope(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin rows for positions [0, end), computed by the model's own rotary module (so
@@ -320,6 +369,9 @@ class FastForward:
         cos, sin = self._rope(end)
         # Queries attend to every cached key and causally among themselves; SDPA's is_causal is
         # top-left aligned, so it is only right when nothing is cached yet.
+        if self.invariant:
+            plan = AttentionPlan.chain(start, n, ids.device)
+            return self._appending(ids, cos[start:end], sin[start:end], cache, plan, layer_ids, last_only)
         mask = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril_(start) if n > 1 and start else None
         return self._appending(ids, cos[start:end], sin[start:end], cache, mask, layer_ids, last_only)
 
@@ -337,18 +389,25 @@ class FastForward:
         start = cache.length
         positions = depths.to(ids.device) + start
         cos, sin = self._rope(int(positions.max()) + 1)
+        if self.invariant:
+            plan = AttentionPlan.tree(start, depths.to(ids.device), visible.to(ids.device))
+            return self._appending(ids, cos[positions], sin[positions], cache, plan, layer_ids, last_only=False)
         mask = torch.cat([torch.ones(n, start, dtype=torch.bool, device=ids.device), visible.to(ids.device)], 1)
         return self._appending(ids, cos[positions], sin[positions], cache, mask, layer_ids, last_only=False)
 
     def _appending(
-        self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TargetCache, mask: torch.Tensor | None,
-        layer_ids: list[int] | None, last_only: bool,
+        self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TargetCache,
+        mask: torch.Tensor | AttentionPlan | None, layer_ids: list[int] | None, last_only: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pass over `ids` that appends their keys/values after what `cache` holds and attends
-        under `mask` (None: SDPA's own causal mask, right when nothing precedes the rows)."""
+        under `mask` (None: SDPA's own causal mask, right when nothing precedes the rows; a plan:
+        the batch-invariant attention)."""
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            keys, values = cache.layers[i].update(k.unsqueeze(0), v.unsqueeze(0))
+            layer = cache.layers[i]
+            keys, values = layer.update(k.unsqueeze(0), v.unsqueeze(0))
+            if isinstance(mask, AttentionPlan):
+                return batch_invariant.attention(q, layer.keys[0], layer.values[0], mask, self.scale)
             return self._attention(q, keys, values, mask, causal=mask is None)
 
         return self._layers(ids, cos, sin, attend, layer_ids, last_only)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .batch_invariant import amx_bf16_available
 from .cache import TargetCache
 from .errors import DFlashError
 from .fast_forward import FastForward, unsupported_reason
@@ -95,7 +96,11 @@ def default_device() -> str:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    """bf16 on CUDA, and on CPUs with AMX (where the lean forward's bf16 is batch-invariant:
+    exact, and a verify pass is cheap); float32 elsewhere."""
+    if str(device).startswith("cuda") or amx_bf16_available():
+        return torch.bfloat16
+    return torch.float32
 
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -154,14 +159,27 @@ class Target:
                 self.fast_path = FastForward(self.model)
                 packed = ", MKL-packed weights" if self.fast_path.packed else ""
                 self._forward_note = f"lean forward{packed}"
+                if self.fast_path.invariant:
+                    self._forward_note = "lean forward, batch-invariant bf16 (oneDNN, AMX)"
+                    if not self.fast_path.rows_agree():
+                        self.fast_path = FastForward(self.model, invariant=False)
+                        self._forward_note = ("lean forward, bf16 (the batch-invariance check failed here: "
+                                              "verify rows may round differently from plain decoding)")
             else:
                 self._forward_note = f"transformers forward ({reason})"
-        if graphs and self.fast_path is not None:
+        if graphs and self.fast_path is not None and self.fast_path.invariant:
+            self._forward_note += " (no CUDA graphs: not on a CPU's batch-invariant path)"
+        elif graphs and self.fast_path is not None:
             self.step_graphs = StepGraphs(self.fast_path, capture=cuda)
             kind = "CUDA graphs" if cuda else "static passes (no CUDA: eager)"
             self._forward_note += f", {kind} for passes of ≤ {GRAPH_MAX_TOKENS} tokens"
         elif graphs:
             self._forward_note += " (no CUDA graphs: they replay the lean forward)"
+
+    @property
+    def invariant(self) -> bool:
+        """The forward gives a token the same bits in a pass of any size (bf16 on AMX CPUs)."""
+        return self.fast_path is not None and self.fast_path.invariant
 
     @property
     def fast_path_note(self) -> str:
@@ -298,16 +316,29 @@ def load_target(spec: str | None = None, device: str | None = None,
             raise DFlashError(f"target {spec!r} is a file; give a model folder or a hub id")
         if not local.is_dir() and (spec.startswith((".", "/", "~")) or spec.count("/") > 1):
             raise DFlashError(f"target {spec!r}: no such folder")
-    kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if str(device).startswith("cuda") and torch.cuda.device_count() > 1:
-        kwargs["device_map"] = "auto"  # accelerate spreads a large target over the GPUs
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except (OSError, ValueError) as e:
         raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
-    if "device_map" not in kwargs:
-        model = model.to(device)
-    first = next(model.parameters())
-    return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype, fast=fast,
-                  graphs=graphs)
+
+    def build(torch_dtype: torch.dtype) -> Target:
+        kwargs: dict[str, Any] = {"dtype": torch_dtype}
+        if str(device).startswith("cuda") and torch.cuda.device_count() > 1:
+            kwargs["device_map"] = "auto"  # accelerate spreads a large target over the GPUs
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as e:
+            raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
+        if "device_map" not in kwargs:
+            model = model.to(device)
+        first = next(model.parameters())
+        return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype,
+                      fast=fast, graphs=graphs)
+
+    target = build(torch_dtype)
+    if (dtype is None or dtype == "auto") and target.device.type == "cpu" and not target.invariant \
+            and torch_dtype == torch.bfloat16:
+        # bf16 was chosen for the batch-invariant lean path; without it a verify pass could round a
+        # near-tie differently from plain decoding, so a CPU takes float32 instead.
+        target = build(torch.float32)
+    return target

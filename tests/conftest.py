@@ -22,7 +22,14 @@ if os.environ.get("DFLASH_TEST_THREADS"):
 
 @pytest.fixture(scope="session")
 def target() -> Target:
+    """The default: bf16 and batch-invariant on a CPU with AMX, float32 elsewhere."""
     return load_target("embedded", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def target_fp32(target: Target) -> Target:
+    """The float32 target that CPUs without AMX run (the same object where that is the default)."""
+    return target if target.dtype == torch.float32 else load_target("embedded", device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

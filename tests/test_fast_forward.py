@@ -194,8 +194,11 @@ def test_unsupported_models_fall_back_with_a_reason(monkeypatch: pytest.MonkeyPa
     assert wrap(llama, fast=False).fast_path is None
 
 
-def test_embedded_target_takes_the_lean_path_and_decodes_the_same(target: Target) -> None:
-    """Greedy plain decoding through the engine gives the same tokens with either forward."""
+def test_embedded_target_takes_the_lean_path_and_decodes_the_same(target_fp32: Target) -> None:
+    """Greedy plain decoding through the engine gives the same tokens with either forward (in
+    float32: in bf16 the two forwards round differently, which only the lean path's own rows
+    need to avoid; test_batch_invariant.py checks those)."""
+    target = target_fp32
     assert target.fast_path is not None, target.fast_path_note
     assert target.fast_path.packed == mkl_packing_works()
     hf = Target(model=target.model, tokenizer=target.tokenizer, name=target.name, device=target.device,

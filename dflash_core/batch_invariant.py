@@ -1,0 +1,182 @@
+"""bf16 maths on CPUs with AMX in which a row's result never depends on its neighbours.
+
+Speculative decoding is lossless only if the target's logits for a token are the same whether it
+is computed alone (plain decoding) or as one row of a verify pass. Floating-point results depend on
+the order of additions, and a library picks a different kernel, blocking or thread split for a
+different number of rows; in bf16 the rounding is coarse enough that such a difference flips a
+near-tie every few hundred tokens. This module computes so that it cannot:
+
+- Linear layers: oneDNN's bf16 GEMM with AMX gives each row the same bits for 1..32 rows
+  (measured here for every shape of SmolLM2; 33 rows and more take another kernel), so a pass is
+  cut into calls of at most `MAX_ROWS` rows. The weights are reordered once for oneDNN, which is
+  also what makes bf16 fast: on the 2-core Xeon a 16-token pass costs 1.15x a one-token pass
+  (fp32 with MKL-packed weights: 1.7x), so verifying a block or a tree is cheap.
+- Attention: the keys a row sees are laid out by their absolute position and reduced in fixed
+  chunks of `CHUNK` positions, whatever the pass: a verify row at position p and a plain step at
+  p see the same keys in the same slots (a tree row's ancestors are gathered into the slots their
+  positions name), and the chunk totals are added in position order by a sequential scan
+  (`cumsum`), where trailing all-masked chunks add exact zeros.
+
+`FastForward` checks the result on the model itself when it is built (`rows_agree`): a verify pass
+and a tree pass must give plain decoding's logits bit for bit, or the lean path falls back to
+float32. Everything else in a layer (norms, RoPE, SiLU, residual adds) works row by row already.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+MAX_ROWS = 32  # rows per oneDNN call; see the module docstring
+CHUNK = 64  # key positions per attention chunk (a multiple of 16: exp and sums run without scalar tails)
+
+
+@functools.cache
+def amx_bf16_available() -> bool:
+    """This CPU multiplies bf16 in AMX tiles and torch's oneDNN can use them
+    (`DFLASH_CPU_BF16=0` says no)."""
+    if os.environ.get("DFLASH_CPU_BF16", "1") == "0":
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    if " amx_bf16" not in flags or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@dataclass
+class InvariantLinear:
+    """A bf16 linear layer through oneDNN with its weight reordered once."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: torch.Tensor
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> InvariantLinear:
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        b = None if bias is None else bias.detach().to(torch.bfloat16)
+        return cls(w, b, torch.ops.mkldnn._reorder_linear_weight(w, 16))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MAX_ROWS:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return torch.cat([self(x[i : i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])
+
+
+@dataclass
+class AttentionPlan:
+    """Where each row of a pass finds its keys, shared by every layer of the pass.
+
+    Keys in buffer rows [0, `in_place`) are read where they are (a multiple of CHUNK), under
+    `mask` [n, in_place] (None: all visible); that is all of a chain pass, whose rows sit at
+    their positions. A tree pass reads in place only below `base` (the chunk boundary at or
+    before its start): there, row r's slot s holds the key at position `base + s` as r sees it,
+    the cache's row below the pass's start and r's ancestors above it (`index[r, s]`, its buffer
+    row); `visible[r, s]` is False past r's own position."""
+
+    length: int  # keys in the buffer after this pass appended its rows
+    in_place: int
+    mask: torch.Tensor | None
+    base: int = 0
+    index: torch.Tensor | None = None  # [n, W] long, W a multiple of CHUNK
+    visible: torch.Tensor | None = None  # [n, W] bool
+
+    @property
+    def extent(self) -> int:
+        """Buffer rows the scores cover (past `length` only to finish a chunk: masked there)."""
+        return self.in_place if self.index is None else self.length
+
+    @classmethod
+    def chain(cls, start: int, n: int, device: torch.device) -> AttentionPlan:
+        """Rows at positions start..start+n-1, each seeing everything before it."""
+        length = start + n
+        in_place = -(-length // CHUNK) * CHUNK
+        mask = torch.arange(in_place, device=device)[None, :] <= torch.arange(start, length, device=device)[:, None]
+        return cls(length, in_place, mask)
+
+    @classmethod
+    def tree(cls, start: int, depths: torch.Tensor, visible: torch.Tensor) -> AttentionPlan:
+        """Rows at positions start + depths[r]; `visible[r, j]`: row j is r itself or an ancestor
+        (so r sees exactly one row per depth up to its own)."""
+        n = depths.shape[0]
+        dev = depths.device
+        base = start // CHUNK * CHUNK
+        deepest = int(depths.max())
+        width = -(-(start + deepest + 1 - base) // CHUNK) * CHUNK
+        pos = base + torch.arange(width, device=dev)
+        # ancestor[r, d]: the buffer row of r's ancestor at depth d.
+        ancestor = torch.zeros(n, deepest + 1, dtype=torch.long, device=dev)
+        r_idx, j_idx = visible.nonzero(as_tuple=True)
+        ancestor[r_idx, depths[j_idx]] = start + j_idx
+        in_pass = (pos[None, :] >= start) & (pos[None, :] <= start + depths[:, None])
+        seen = (pos[None, :] < start) | in_pass
+        index = torch.where(in_pass, ancestor[:, (pos - start).clamp(0, deepest)], pos[None, :])
+        index = torch.where(seen, index, torch.full_like(index, base))  # masked slots read any real row
+        return cls(start + n, base, None, base, index, seen)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
+              scale: float) -> torch.Tensor:
+    """q [heads, n, hd] (bf16, RoPE applied) over keys/values [kv_heads, S, hd], the layer's
+    whole buffers with this pass's rows already written; [heads, n, hd]."""
+    heads, n, hd = q.shape
+    nkv = keys.shape[0]
+    g = heads // nkv
+    extent, in_place = plan.extent, plan.in_place
+    if keys.shape[1] < extent:  # the buffer ends inside the last chunk: pad it (masked anyway)
+        keys = F.pad(keys, (0, 0, 0, extent - keys.shape[1]))
+        values = F.pad(values, (0, 0, 0, extent - values.shape[1]))
+    # Scores against the buffer in one GEMM: each is a head_dim-term dot product, computed the
+    # same way for any number of rows or keys (what `FastForward.rows_agree` checks). The scale
+    # goes on the queries (exact in bf16 when it is a power of two, as for head_dim 64 or 256).
+    s = torch.matmul((q * scale).reshape(nkv, g * n, hd), keys[:, :extent].transpose(1, 2)).float()
+    s = s.view(nkv, g, n, extent)
+    own = s[..., :in_place]
+    if plan.mask is not None:
+        own = own.masked_fill_(~plan.mask, float("-inf"))
+    top = own.amax(-1, keepdim=True) if in_place else None
+    region = None
+    if plan.index is not None and plan.visible is not None:
+        idx = (plan.index - plan.base).expand(nkv, g, n, -1)
+        region = torch.gather(s[..., plan.base :], 3, idx).masked_fill_(~plan.visible, float("-inf"))
+        top = region.amax(-1, keepdim=True) if top is None else torch.maximum(top, region.amax(-1, keepdim=True))
+    # Each chunk's weighted values and weight total, [chunks, kv_heads, g*n, hd + 1], in position
+    # order, zero-padded to a power of two for `_pairwise_sum`.
+    c_own = in_place // CHUNK
+    c_reg = 0 if region is None else region.shape[-1] // CHUNK
+    parts = s.new_zeros((1 << (c_own + c_reg - 1).bit_length(), nkv, g * n, hd + 1))
+    if in_place:
+        p = torch.exp(own - top)
+        parts[:c_own, ..., hd] = p.view(nkv, g * n, c_own, CHUNK).sum(-1).permute(2, 0, 1)
+        pc = p.to(values.dtype).view(nkv, g * n, c_own, CHUNK).transpose(1, 2)
+        parts[:c_own, ..., :hd] = torch.matmul(pc, values[:, :in_place].view(nkv, c_own, CHUNK, hd)).transpose(0, 1)
+    if region is not None and plan.index is not None:
+        p = torch.exp(region - top)
+        own_parts = parts[c_own : c_own + c_reg].view(c_reg, nkv, g, n, hd + 1)
+        own_parts[..., hd] = p.view(nkv, g, n, c_reg, CHUNK).sum(-1).permute(3, 0, 1, 2)
+        v = values.index_select(1, plan.index.view(-1)).view(nkv, n, c_reg, CHUNK, hd)
+        pc = p.to(values.dtype).view(nkv, g, n, c_reg, CHUNK).permute(0, 2, 3, 1, 4)  # a [g, CHUNK] block per row
+        own_parts[..., :hd] = torch.matmul(pc, v).permute(2, 0, 3, 1, 4)
+    total = _pairwise_sum(parts)
+    return (total[..., :hd] / total[..., hd:]).to(q.dtype).view(heads, n, hd)
+
+
+def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 (a power of two long) by adjacent pairs, level by level: chunk i's path
+    through the additions depends only on i, and the chunks past a row's position are zeros, so
+    a row gets the same bits whatever the number of trailing chunks."""
+    while x.shape[0] > 1:
+        x = x.view(x.shape[0] // 2, 2, *x.shape[1:])
+        x = x[:, 0] + x[:, 1]
+    return x[0]

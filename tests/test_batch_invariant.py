@@ -1,0 +1,166 @@
+"""The batch-invariant bf16 path (dflash_core/batch_invariant.py): on a CPU with AMX the embedded
+target runs in bf16, and a verify pass or a tree pass must give every row the bits plain
+decoding gives it, which is what keeps greedy speculation exact there."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import finish
+
+from dflash_core import batch_invariant, fast_forward
+from dflash_core.batch_invariant import CHUNK, AttentionPlan, _pairwise_sum, attention
+from dflash_core.config import GenerationConfig
+from dflash_core.draft_tree import grow_tree, visibility
+from dflash_core.drafter import load_drafter
+from dflash_core.engine import Engine
+from dflash_core.loading import SHIPPED_DRAFTER
+from dflash_core.targets import Target, load_target
+
+needs_amx = pytest.mark.skipif(not batch_invariant.amx_bf16_available(), reason="no AMX bf16 on this CPU")
+
+
+def plain_rows(target: Target, context: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """Logits for each of `tokens` decoded one at a time after `context`."""
+    cache = target.new_cache(context.shape[1] + len(tokens) + 1)
+    target.forward(context, cache)
+    return torch.cat([target.forward(torch.tensor([[t]]), cache)[0] for t in tokens])
+
+
+@needs_amx
+def test_embedded_target_is_bf16_and_batch_invariant(target: Target) -> None:
+    assert target.dtype == torch.bfloat16 and target.invariant, target.fast_path_note
+    assert "batch-invariant" in target.fast_path_note
+    assert target.fast_path is not None and target.fast_path.rows_agree()
+
+
+@needs_amx
+@pytest.mark.parametrize(("start", "rows"), [(1, 6), (CHUNK - 5, 12), (CHUNK * 2, 17), (200, 40)])
+def test_chain_pass_rows_equal_plain_steps_bit_for_bit(target: Target, start: int, rows: int) -> None:
+    """Passes that start at and across chunk boundaries, and one longer than the 32 rows a
+    oneDNN call takes."""
+    rng = random.Random(start)
+    ids = torch.tensor([[rng.randrange(target.vocab_size) for _ in range(start + rows)]])
+    ref = plain_rows(target, ids[:, :start], ids[0, start:].tolist())
+    cache = target.new_cache(start + rows)
+    target.forward(ids[:, :start], cache)
+    got = target.forward(ids[:, start:], cache)[0]
+    assert all(torch.equal(got[i], ref[i]) for i in range(rows))
+
+
+@needs_amx
+@pytest.mark.parametrize("start", [7, CHUNK - 2, 150])
+def test_tree_pass_rows_equal_plain_decoding_of_their_paths(target: Target, start: int) -> None:
+    rng = random.Random(start)
+    vocab = target.vocab_size
+    context = torch.tensor([[rng.randrange(vocab) for _ in range(start)]])
+    tree = grow_tree([[0.5, 0.3, 0.2]] * 6, [[rng.randrange(vocab) for _ in range(3)] for _ in range(6)], 24)
+    anchor = rng.randrange(vocab)
+    cache = target.new_cache(start + len(tree) + 1)
+    target.forward(context, cache)
+    got = target.tree_forward(torch.tensor([[anchor, *tree.tokens]]), torch.tensor([0, *tree.depths]),
+                              visibility(tree), cache)[0]
+    for node in range(len(tree)):
+        path, j = [], node
+        while j >= 0:
+            path.append(tree.tokens[j])
+            j = tree.parents[j]
+        ref = plain_rows(target, context, [anchor, *reversed(path)])
+        assert torch.equal(got[node + 1], ref[-1]), f"node {node} at depth {tree.depths[node]}"
+
+
+def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """float32 attention of q [heads, n, hd] over keys [kv, L, hd] under visible [n, L]."""
+    g = q.shape[0] // keys.shape[0]
+    k = keys.float().repeat_interleave(g, 0)
+    v = values.float().repeat_interleave(g, 0)
+    s = (q.float() @ k.transpose(1, 2)) * scale
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16")
+def test_attention_computes_masked_softmax_attention() -> None:
+    gen = torch.Generator().manual_seed(0)
+    heads, kv, hd, start = 6, 2, 64, 90
+    keys = torch.randn(kv, 200, hd, generator=gen).bfloat16()
+    values = torch.randn(kv, 200, hd, generator=gen).bfloat16()
+    n = 5
+    q = torch.randn(heads, n, hd, generator=gen).bfloat16()
+    plan = AttentionPlan.chain(start, n, torch.device("cpu"))
+    visible = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+    want = reference_attention(q, keys[:, : start + n], values[:, : start + n], visible, hd**-0.5)
+    torch.testing.assert_close(attention(q, keys, values, plan, hd**-0.5).float(), want, atol=3e-2, rtol=3e-2)
+
+    # A tree: rows [anchor, a, b, a's child]; each sees the cache, its ancestors and itself.
+    depths = torch.tensor([0, 1, 1, 2])
+    seen = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    plan = AttentionPlan.tree(start, depths, seen)
+    q = q[:, :4].contiguous()
+    visible = torch.cat([torch.ones(4, start, dtype=torch.bool), seen], 1)
+    want = reference_attention(q, keys[:, : start + 4], values[:, : start + 4], visible, hd**-0.5)
+    torch.testing.assert_close(attention(q, keys, values, plan, hd**-0.5).float(), want, atol=3e-2, rtol=3e-2)
+
+
+def test_pairwise_sum_ignores_trailing_zero_chunks() -> None:
+    gen = torch.Generator().manual_seed(1)
+    for k in (1, 3, 5, 8):
+        x = torch.randn(k, 7, generator=gen) * torch.logspace(-3, 3, k)[:, None]
+        short = torch.cat([x, x.new_zeros(((1 << (k - 1).bit_length()) - k, 7))])
+        for size in (16, 32):
+            if size >= k:
+                assert torch.equal(_pairwise_sum(torch.cat([x, x.new_zeros(size - k, 7)])), _pairwise_sum(short))
+
+
+def test_tree_plan_gathers_each_rows_ancestors() -> None:
+    start = CHUNK + 3
+    depths = torch.tensor([0, 1, 1, 2])
+    seen = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    plan = AttentionPlan.tree(start, depths, seen)
+    assert plan.base == CHUNK and plan.in_place == CHUNK and plan.index is not None and plan.visible is not None
+    row3 = plan.index[3][plan.visible[3]].tolist()
+    # The cache's own rows below the pass, then the anchor, b (row 2) and itself (row 3).
+    assert row3 == [*range(CHUNK, start), start, start + 2, start + 3]
+    assert plan.visible.sum(1).tolist() == [4, 5, 5, 6]
+
+
+@needs_amx
+def test_a_failed_check_falls_back_to_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fast_forward.FastForward, "rows_agree", lambda self: False)
+    t = load_target("embedded", device="cpu")
+    assert t.dtype == torch.float32 and not t.invariant
+    assert next(t.model.parameters()).dtype == torch.float32
+    asked = load_target("embedded", device="cpu", dtype="bfloat16")  # asked for: kept, and said
+    assert asked.dtype == torch.bfloat16 and not asked.invariant and "check failed" in asked.fast_path_note
+
+
+@pytest.fixture(scope="module")
+def shipped(target: Target) -> Engine:
+    return Engine(target, load_drafter(SHIPPED_DRAFTER, device="cpu", dtype=target.dtype))
+
+
+@pytest.mark.parametrize("block", [4, 8, 16])
+def test_shipped_drafter_trees_match_plain_greedy(target: Target, shipped: Engine, block: int) -> None:
+    """With a drafter that is often right, whole trees and lookup chains get accepted: the
+    default mode must still give plain decoding's tokens."""
+    prompts = ["Write a Python function that checks whether a number is prime.",
+               "A shop sells pens at 3 dollars each. How much do 7 pens cost? Explain step by step.",
+               "List the planets of the solar system in order."]
+    for prompt in prompts:
+        cfg = GenerationConfig(max_new_tokens=64, temperature=0.0, block_size=block, verify="tree")
+        fin = finish(shipped.generate(prompt, cfg))
+        ref = finish(shipped.generate(prompt, cfg, plain=True))
+        assert fin.token_ids == ref.token_ids
+        assert fin.tau > 1.2  # it did accept drafts: the check covered accepted trees
+
+
+def test_float32_target_stays_exact(target_fp32: Target) -> None:
+    """Where there is no AMX the target runs in float32: the same engine stays exact there."""
+    assert target_fp32.dtype == torch.float32 and not target_fp32.invariant
+    eng = Engine(target_fp32, load_drafter(SHIPPED_DRAFTER, device="cpu", dtype=torch.float32))
+    for verify in ("tree", "adaptive"):
+        cfg = GenerationConfig(max_new_tokens=48, temperature=0.0, block_size=16, verify=verify)
+        prompt = "Write a Python function that returns the squares of a list of numbers."
+        assert finish(eng.generate(prompt, cfg)).token_ids == finish(eng.generate(prompt, cfg, plain=True)).token_ids
