@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from . import batch_invariant
 from .batch_invariant import AttentionPlan, InvariantLinear
 from .cache import TargetCache
+from .draft_tree import DraftTree, visibility
 
 SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
 # Rope variants whose cos/sin depend on the sequence seen so far, not just the position.
@@ -333,17 +334,13 @@ class FastForward:
         cache = primed()
         plain = torch.cat([self.forward(ids[None, i : i + 1], cache)[0] for i in range(start, start + steps)])
         chain = self.forward(ids[None, start : start + steps], primed())[0]
-        # Rows: anchor, a1, b1, a2, b2, a3; the a-branch follows the plain tokens.
-        a, other = ids[start : start + 4], (ids[start + 1 : start + 3] + 1) % vocab
-        tree_ids = torch.stack([a[0], a[1], other[0], a[2], other[1], a[3]])[None]
-        parents = [-1, 0, 0, 1, 2, 3]
-        depths = torch.tensor([0, 1, 1, 2, 2, 3], device=ids.device)
-        seen = torch.zeros(6, 6, dtype=torch.bool, device=ids.device)
-        for r, parent in enumerate(parents):
-            if parent >= 0:
-                seen[r] = seen[parent]
-            seen[r, r] = True
-        tree = self.tree_forward(tree_ids, depths, seen, primed())[0]
+        # Rows: anchor, then nodes a1, b1, a2, b2, a3; the a-branch follows the plain tokens.
+        a, other = ids[start : start + 4].tolist(), ((ids[start + 1 : start + 3] + 1) % vocab).tolist()
+        tree = DraftTree([a[1], other[0], a[2], other[1], a[3]], [-1, -1, 0, 1, 2], [1, 1, 2, 2, 3],
+                         [1.0] * 5, [False] * 5)
+        tree_ids = torch.tensor([[a[0], *tree.tokens]], device=ids.device)
+        depths = torch.tensor([0, *tree.depths], device=ids.device)
+        tree = self.tree_forward(tree_ids, depths, visibility(tree, ids.device), primed())[0]
         return torch.equal(plain, chain) and torch.equal(tree[[0, 1, 3, 5]], plain[:4])
 
     def _rope(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
