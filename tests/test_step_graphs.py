@@ -13,6 +13,8 @@ import pytest
 import torch
 
 from dflash_core import Engine, GenerationConfig
+from dflash_core.drafter import load_drafter
+from dflash_core.loading import SHIPPED_DRAFTER
 from dflash_core.step_graphs import MAX_TOKENS
 from dflash_core.targets import Target
 from tests.conftest import finish
@@ -148,21 +150,24 @@ def test_captured_graphs_match_ordinary_passes_on_cuda() -> None:
         del cache, ref_cache
 
 
-def test_embedded_target_decodes_the_same_through_static_passes(app_engine: Engine) -> None:
+def test_embedded_target_decodes_the_same_through_static_passes(target_fp32: Target) -> None:
     """Plain and DFlash decoding (the shipped drafter, so blocks accept varying lengths; every
     draft verified at B = 4 and 16, and the adaptive verify length) through static passes give
-    plain decoding's tokens through ordinary passes."""
-    base = app_engine.target
+    plain decoding's tokens through ordinary passes. Graphs serve the float32 (and CUDA) path;
+    the batch-invariant bf16 CPU path has none."""
+    base = target_fp32
+    drafter = load_drafter(SHIPPED_DRAFTER, device="cpu", dtype=torch.float32)
+    plain_engine = Engine(base, drafter)
     target = Target(model=base.model, tokenizer=base.tokenizer, name=base.name, device=base.device,
                     dtype=base.dtype, graphs=True)
-    engine = Engine(target, app_engine.drafter)
+    engine = Engine(target, drafter)
     prompts = ["Write a Python function that checks whether a number is prime.",
                "A train travels 60 km in 45 minutes. What is its speed in km/h?",
                "Give three tips for learning a new language."]
     cfg = GenerationConfig(max_new_tokens=48, temperature=0.0)
     accepted: set[int] = set()
     for prompt in prompts:
-        want = finish(app_engine.generate(prompt, cfg, plain=True)).token_ids
+        want = finish(plain_engine.generate(prompt, cfg, plain=True)).token_ids
         assert len(want) >= 20
         assert finish(engine.generate(prompt, cfg, plain=True)).token_ids == want, prompt
         for block, verify in ((4, "full"), (16, "full"), (16, "adaptive")):

@@ -136,39 +136,39 @@ def tiny_batch(target, drafter_seed: int, data_seed: int, vocab_hi: int, anchors
     return drafter, seqs, batch, context_features(target, batch.ids, cfg.target_layer_ids)
 
 
-def test_padded_batch_equals_one_sequence_forwards(target) -> None:
+def test_padded_batch_equals_one_sequence_forwards(target_fp32) -> None:
     """Right padding, dummy blocks and per-row positions change nothing: each row's loss in one
     padded forward equals that sequence's loss alone (the old one-sequence path)."""
     anchors = [[5, 12, 20], [3, 9, 30, 40, 44], [10]]  # different counts: the rows get dummy blocks
-    drafter, seqs, batch, feats = tiny_batch(target, 3, 0, 5000, anchors, (30, 47, 19))
+    drafter, seqs, batch, feats = tiny_batch(target_fp32, 3, 0, 5000, anchors, (30, 47, 19))
     cfg = drafter.config
     assert batch.ids.shape == (3, 44) and batch.mask.shape == (3, 1, 40, 44 + 40)
-    out = batch_forward(drafter, target, batch, feats)
+    out = batch_forward(drafter, target_fp32, batch, feats)
     num, den = out.row_loss(3)
     for r, (seq, a) in enumerate(zip(seqs, anchors, strict=True)):
         bb = build_blocks(seq, a, 8, 0)
-        ctx = context_features(target, seq[None, : bb.context_len], cfg.target_layer_ids)
+        ctx = context_features(target_fp32, seq[None, : bb.context_len], cfg.target_layer_ids)
         with torch.no_grad():
-            hidden = drafter.forward_train(ctx, target.embed(bb.input_ids[None]), bb.positions, bb.mask)
-            ref = weighted_block_loss(target.lm_head(hidden)[0], bb.labels, bb.weights)
+            hidden = drafter.forward_train(ctx, target_fp32.embed(bb.input_ids[None]), bb.positions, bb.mask)
+            ref = weighted_block_loss(target_fp32.lm_head(hidden)[0], bb.labels, bb.weights)
         torch.testing.assert_close(num[r] / den[r], ref, rtol=1e-4, atol=1e-4)
         assert float(den[r]) == pytest.approx(float(bb.weights.sum()))
     whole = float(out.loss().detach())
     assert whole == pytest.approx(float(num.sum() / den.sum()), rel=1e-5)
 
 
-def test_head_subset_is_the_full_head_restricted(target) -> None:
+def test_head_subset_is_the_full_head_restricted(target_fp32) -> None:
     """The training-only head gives the full head's logits at the kept tokens, relabels targets
     into the subset, and drops (never mislabels) positions whose token is outside it."""
-    drafter, seqs, batch, feats = tiny_batch(target, 5, 1, 400, [[4, 11, 25], [6, 20]], (40, 33))
-    counts = torch.zeros(target.vocab_size)
+    drafter, seqs, batch, feats = tiny_batch(target_fp32, 5, 1, 400, [[4, 11, 25], [6, 20]], (40, 33))
+    counts = torch.zeros(target_fp32.vocab_size)
     counts.index_add_(0, torch.cat(seqs), torch.ones(73))
     head = HeadSubset(counts, 30)  # fewer than the ~60 distinct tokens: some labels fall outside
-    assert torch.equal(HeadSubset.from_replies(seqs, target.vocab_size, 30).keep, head.keep)
+    assert torch.equal(HeadSubset.from_replies(seqs, target_fp32.vocab_size, 30).keep, head.keep)
     assert head.keep.shape[0] == 30 and 0 < head.coverage < 1
     assert counts[head.keep].min() >= counts[counts > 0].sort(descending=True).values[29]
-    full = batch_forward(drafter, target, batch, feats)
-    sub = batch_forward(drafter, target, batch, feats, head=head)
+    full = batch_forward(drafter, target_fp32, batch, feats)
+    sub = batch_forward(drafter, target_fp32, batch, feats, head=head)
     inside = head.index[full.labels] >= 0
     assert 0 < int(inside.sum()) < full.labels.shape[0]
     torch.testing.assert_close(sub.logits, full.logits[inside][:, head.keep], rtol=1e-5, atol=1e-5)
@@ -176,24 +176,24 @@ def test_head_subset_is_the_full_head_restricted(target) -> None:
     assert torch.equal(sub.slots, full.slots[inside]) and torch.equal(sub.weights, full.weights[inside])
 
 
-def test_bf16_autocast_step_follows_fp32(target, monkeypatch) -> None:
+def test_bf16_autocast_step_follows_fp32(target_fp32, monkeypatch) -> None:
     """A bf16-autocast training step (the CPU default where the CPU has bf16 units) computes the
     fp32 step's loss and gradient to bf16 precision, and the no-grad evaluation path runs under it
     (the drafter's MKL-packed fp32 matmuls step aside for autocast)."""
     from dflash_core.train import run as train_run
 
-    drafter, _, batch, feats = tiny_batch(target, 7, 2, 5000, [[4, 12, 20], [6, 18]], (36, 29))
+    drafter, _, batch, feats = tiny_batch(target_fp32, 7, 2, 5000, [[4, 12, 20], [6, 18]], (36, 29))
     grads = []
     for autocast in (None, torch.bfloat16):
         drafter.zero_grad(set_to_none=True)
-        loss = batch_forward(drafter, target, batch, feats, autocast).loss()
+        loss = batch_forward(drafter, target_fp32, batch, feats, autocast).loss()
         loss.backward()
         grads.append((float(loss.detach()), torch.cat([p.grad.flatten() for p in drafter.parameters()])))
     (loss32, g32), (loss16, g16) = grads
     assert loss16 == pytest.approx(loss32, rel=2e-2)
     assert float(torch.nn.functional.cosine_similarity(g32, g16, dim=0)) > 0.99
     with torch.no_grad():
-        logits = batch_forward(drafter, target, batch, feats, torch.bfloat16).logits
+        logits = batch_forward(drafter, target_fp32, batch, feats, torch.bfloat16).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
     # --autocast: off is off, bf16 is bf16, auto follows the device and the CPU's bf16 units.
     assert train_run.train_autocast("off", "cuda") is None

@@ -112,15 +112,15 @@ def test_sampling_share_and_range() -> None:
     assert temps == [sampling_temperature(f"id{i}", 0, 0.25, 0.7, 1.0) for i in range(2000)]
 
 
-def test_batched_greedy_equals_plain_greedy(target) -> None:
-    prompts = [target.encode_chat([{"role": "user", "content": q}])
+def test_batched_greedy_equals_plain_greedy(target_fp32) -> None:
+    prompts = [target_fp32.encode_chat([{"role": "user", "content": q}])
                for q in ("Hi", "Give me a long list of European capital cities, please.")]
-    eos = target.eos_ids
-    replies = generate_batch(target, prompts, [0.0, 0.0], 8, eos, 2)
+    eos = target_fp32.eos_ids
+    replies = generate_batch(target_fp32, prompts, [0.0, 0.0], 8, eos, 2)
     for p, r in zip(prompts, replies, strict=True):
         ids, ref = list(p), []
         for _ in range(8):  # plain greedy decoding, one sequence, no padding
-            logits, _ = target.forward(torch.tensor([ids]), target.new_cache(len(ids)))
+            logits, _ = target_fp32.forward(torch.tensor([ids]), target_fp32.new_cache(len(ids)))
             ref.append(int(logits[-1].argmax()))
             ids.append(ref[-1])
             if ref[-1] in eos:

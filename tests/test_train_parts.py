@@ -32,14 +32,14 @@ def make_data(folder: Path, target) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def feature_dir(tmp_path_factory, target) -> tuple[Path, list[dict]]:
+def feature_dir(tmp_path_factory, target_fp32) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("train")
-    samples = make_data(root / "data", target)
-    build_features(target, root / "data", root / "feats", LAYERS, batch_tokens=200, progress=False)
+    samples = make_data(root / "data", target_fp32)
+    build_features(target_fp32, root / "data", root / "feats", LAYERS, batch_tokens=200, progress=False)
     return root, samples
 
 
-def test_features_match_inference_and_resume(feature_dir, target) -> None:
+def test_features_match_inference_and_resume(feature_dir, target_fp32) -> None:
     root, samples = feature_dir
     files = feature_files(root / "feats")
     assert [f.name for f in files] == ["feats-00000.safetensors", "feats-00001.safetensors"]
@@ -49,12 +49,12 @@ def test_features_match_inference_and_resume(feature_dir, target) -> None:
         ids = sample["prompt_ids"] + sample["response_ids"]
         assert seq.ids.tolist() == ids and seq.prompt_len == len(sample["prompt_ids"])
         # The features the engine computes at inference (cached prefill, no padding).
-        _, ref = target.forward(torch.tensor([ids]), target.new_cache(len(ids)), LAYERS)
+        _, ref = target_fp32.forward(torch.tensor([ids]), target_fp32.new_cache(len(ids)), LAYERS)
         assert seq.feats.dtype == torch.float16 and seq.feats.shape == ref.shape
         torch.testing.assert_close(seq.feats.float(), ref, rtol=2e-2, atol=2e-2)
     # A rerun skips finished shards.
     before = [f.stat().st_mtime_ns for f in files]
-    build_features(target, root / "data", root / "feats", LAYERS, batch_tokens=200, progress=False)
+    build_features(target_fp32, root / "data", root / "feats", LAYERS, batch_tokens=200, progress=False)
     assert [f.stat().st_mtime_ns for f in files] == before
 
 
@@ -128,20 +128,20 @@ def test_init_from_target_copies_layers(target) -> None:
         init_from_target(d, target.model, [29])
 
 
-def test_warm_start_grows_a_deeper_drafter_that_computes_the_same(target, tmp_path: Path) -> None:
+def test_warm_start_grows_a_deeper_drafter_that_computes_the_same(target_fp32, tmp_path: Path) -> None:
     """--init from:DIR with more layers: the old layers are copied, the new one starts as an
     identity (zero output projections), so the grown drafter's output equals the old one's, and
     training then reaches the new layer's other weights."""
-    old = build_drafter(target, LAYERS, num_layers=1, block_size=8, seed=3)
+    old = build_drafter(target_fp32, LAYERS, num_layers=1, block_size=8, seed=3)
     old.save(tmp_path / "old", dtype=torch.float32)
-    new = build_drafter(target, LAYERS, num_layers=2, block_size=8, seed=4, init=f"from:{tmp_path / 'old'}")
+    new = build_drafter(target_fp32, LAYERS, num_layers=2, block_size=8, seed=4, init=f"from:{tmp_path / 'old'}")
     assert len(new.layers) == 2 and new.config.num_hidden_layers == 2
     for k, v in old.state_dict().items():
         assert torch.equal(new.state_dict()[k], v), k
     ids = torch.randint(100, 5000, (40,), generator=torch.Generator().manual_seed(0))
     bb = build_blocks(ids, [10, 25], 8, 0)
-    ctx = context_features(target, ids[None, : bb.context_len], LAYERS)
-    emb = target.embed(bb.input_ids[None])
+    ctx = context_features(target_fp32, ids[None, : bb.context_len], LAYERS)
+    emb = target_fp32.embed(bb.input_ids[None])
     with torch.no_grad():
         ref = old.forward_train(ctx, emb, bb.positions, bb.mask)
     out = new.forward_train(ctx, emb, bb.positions, bb.mask)
@@ -151,4 +151,4 @@ def test_warm_start_grows_a_deeper_drafter_that_computes_the_same(target, tmp_pa
     assert new.layers[1].mlp.down_proj.weight.grad.abs().sum() > 0
     new.save(tmp_path / "new", dtype=torch.float32)
     with pytest.raises(ValueError, match="a different drafter shape"):  # shallower is not a growth
-        build_drafter(target, LAYERS, num_layers=1, block_size=8, init=f"from:{tmp_path / 'new'}")
+        build_drafter(target_fp32, LAYERS, num_layers=1, block_size=8, init=f"from:{tmp_path / 'new'}")

@@ -167,20 +167,20 @@ def test_forward_train_equals_inference_step_tiny() -> None:
             torch.testing.assert_close(train_out[j], inf[0], rtol=1e-4, atol=1e-5)
 
 
-def test_forward_train_equals_inference_step_real_target(target, random_drafter) -> None:
-    """Real shapes (SmolLM2 features, GQA 9/3 heads, B = 16) and real target features: the
+def test_forward_train_equals_inference_step_real_target(target_fp32, random_drafter) -> None:
+    """Real shapes (SmolLM2 features, GQA 9/3 heads, B = 16) and real target_fp32 features: the
     training pass must give every block exactly what `step` gives it at inference."""
     drafter = random_drafter
-    ids = target.encode_chat([{"role": "user", "content": "Name three colours."}])
+    ids = target_fp32.encode_chat([{"role": "user", "content": "Name three colours."}])
     ids = ids + [int(t) for t in torch.randint(100, 1000, (20,), generator=torch.Generator().manual_seed(0))]
-    tcache = target.new_cache(len(ids) + 1)
-    _, feats = target.forward(torch.tensor([ids]), tcache, drafter.config.target_layer_ids)
+    tcache = target_fp32.new_cache(len(ids) + 1)
+    _, feats = target_fp32.forward(torch.tensor([ids]), tcache, drafter.config.target_layer_ids)
     feats = feats[None].clone()
     anchors = [len(ids) - 20, len(ids) - 9, len(ids) - 2]
     bs = drafter.block_size
     bb = build_blocks(ids, anchors, bs, drafter.mask_token_id)
     with torch.no_grad():
-        emb = target.embed(bb.input_ids)[None]
+        emb = target_fp32.embed(bb.input_ids)[None]
         out = drafter.forward_train(feats[:, : bb.context_len], emb, bb.positions, bb.mask)[0]
         for j, a in enumerate(anchors):
             cache = drafter.new_cache(len(ids) + bs)
