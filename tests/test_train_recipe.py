@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from dflash_core.drafter import DFlashConfig, DFlashDrafter, init_weights
+from dflash_core.drafter import DFlashConfig, DFlashDrafter, config_for_target, init_weights
 from dflash_core.train.recipe import (
     IGNORE,
     block_attention_mask,
@@ -167,10 +167,12 @@ def test_forward_train_equals_inference_step_tiny() -> None:
             torch.testing.assert_close(train_out[j], inf[0], rtol=1e-4, atol=1e-5)
 
 
-def test_forward_train_equals_inference_step_real_target(target_fp32, random_drafter) -> None:
-    """Real shapes (SmolLM2 features, GQA 9/3 heads, B = 16) and real target_fp32 features: the
-    training pass must give every block exactly what `step` gives it at inference."""
-    drafter = random_drafter
+def test_forward_train_equals_inference_step_real_target(target_fp32) -> None:
+    """Real shapes (SmolLM2 features, GQA 9/3 heads, B = 16) and real float32 target features: the
+    training pass must give every block exactly what `step` gives it at inference. (Its own
+    drafter: the shared `random_drafter` is cast in place by engines around the bf16 target.)"""
+    cfg = config_for_target(target_fp32.config, num_layers=2, block_size=16, mask_token_id=0)
+    drafter = init_weights(DFlashDrafter(cfg), seed=1).eval()
     ids = target_fp32.encode_chat([{"role": "user", "content": "Name three colours."}])
     ids = ids + [int(t) for t in torch.randint(100, 1000, (20,), generator=torch.Generator().manual_seed(0))]
     tcache = target_fp32.new_cache(len(ids) + 1)
