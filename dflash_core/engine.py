@@ -91,14 +91,15 @@ class Engine:
         return cost
 
     def _draft_vocab_head(self) -> tuple[torch.Tensor, Linear] | None:
-        """(token ids, their LM-head rows as a layer, MKL-packed like the target's) when the
+        """(token ids, their LM-head rows as a layer, packed like the target's) when the
         drafter drafts from a vocabulary subset (`DFLASH_DRAFT_VOCAB=0` turns it off: draft over
         the whole vocabulary)."""
         vocab = None if self.drafter is None else self.drafter.draft_vocab
         if vocab is None or os.environ.get("DFLASH_DRAFT_VOCAB", "1") == "0":
             return None
         weight, bias = self.target.lm_head_rows(vocab)
-        packed = pack_weight(weight) if self.target.fast_path is not None and self.target.fast_path.packed else None
+        fast = self.target.fast_path
+        packed = pack_weight(weight) if fast is not None and (fast.packed or fast.invariant) else None
         return vocab.to(weight.device), Linear(weight, bias, packed)
 
     def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

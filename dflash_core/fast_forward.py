@@ -47,7 +47,29 @@ PACKED_MIN_ROWS = 4
 
 def unsupported_reason(model: Any) -> str | None:
     """Why `model` cannot take the lean path (None when it can)."""
-    cfg = model.config
+    reason = config_unsupported_reason(model.config)
+    if reason is not None:
+        return reason
+    devices = set((getattr(model, "hf_device_map", None) or {}).values())
+    if len(devices) > 1:
+        return "the model is spread over several devices"
+    inner = getattr(model, "model", None)
+    for layer in getattr(inner, "layers", [None]):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
+        # Only plain float Linear layers: quantized, LoRA-wrapped or otherwise patched projections
+        # compute something the lean path would not.
+        if not all(_plain_linear(getattr(owner, n, None)) for owner, n in names):
+            return "projections that are not plain float nn.Linear layers (quantized or wrapped?)"
+    if not _plain_linear(getattr(model, "lm_head", None)):
+        return "an LM head that is not a plain float nn.Linear"
+    return None
+
+
+def config_unsupported_reason(cfg: Any) -> str | None:
+    """What in a model's config alone rules the lean path out (None: nothing), known before
+    the weights are loaded."""
     kind = getattr(cfg, "model_type", None)
     if kind not in SUPPORTED_TYPES:
         return f"model type {kind!r} (the lean path covers {', '.join(SUPPORTED_TYPES)})"
@@ -63,22 +85,8 @@ def unsupported_reason(model: Any) -> str | None:
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type in POSITION_DEPENDENT_ROPE:
         return f"rope type {rope_type!r}"
-    devices = set((getattr(model, "hf_device_map", None) or {}).values())
-    if len(devices) > 1:
-        return "the model is spread over several devices"
     if getattr(cfg, "quantization_config", None) is not None:
         return "a quantized model"
-    inner = getattr(model, "model", None)
-    for layer in getattr(inner, "layers", [None]):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-        # Only plain float Linear layers: quantized, LoRA-wrapped or otherwise patched projections
-        # compute something the lean path would not.
-        if not all(_plain_linear(getattr(owner, n, None)) for owner, n in names):
-            return "projections that are not plain float nn.Linear layers (quantized or wrapped?)"
-    if not _plain_linear(getattr(model, "lm_head", None)):
-        return "an LM head that is not a plain float nn.Linear"
     return None
 
 
@@ -146,7 +154,10 @@ class Linear:
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             packed: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] times the weight, through the packed copy when there is one and enough rows."""
+    """x [rows, in] times the weight, through the packed copy when there is one (fp32: and
+    enough rows)."""
+    if packed is not None and weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
         # The last argument tells MKL that `packed` is laid out for this many rows.
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
@@ -154,9 +165,16 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """MKL's packed copy of a [out, in] weight, or None where packing does not apply (not CPU
-    fp32, no MKL, `DFLASH_PACK_WEIGHTS=0`, or the self-check failed)."""
-    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not mkl_packing_works():
+    """A [out, in] weight laid out once for its GEMM library: MKL's packed copy for fp32,
+    oneDNN's reordered one for bf16 on CPUs with AMX; None where neither applies (not CPU, no
+    MKL or AMX, `DFLASH_PACK_WEIGHTS=0`, or the self-check failed)."""
+    if weight.device.type != "cpu":
+        return None
+    if weight.dtype == torch.bfloat16:
+        if not batch_invariant.amx_bf16_available() or os.environ.get("DFLASH_PACK_WEIGHTS", "1") == "0":
+            return None
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+    if weight.dtype != torch.float32 or not mkl_packing_works():
         return None
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
@@ -259,7 +277,7 @@ class FastForward:
             linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                                if n.endswith("proj.weight"))
             linear_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-            pack = linear_bytes < _available_memory() // 2
+            pack = weight.dtype == torch.float32 and linear_bytes < _available_memory() // 2
         self.embed = weight.detach()
         self.layers = []
 

@@ -11,6 +11,7 @@ import inspect
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ import torch
 from .batch_invariant import amx_bf16_available
 from .cache import TargetCache
 from .errors import DFlashError
-from .fast_forward import FastForward, unsupported_reason
+from .fast_forward import FastForward, config_unsupported_reason, unsupported_reason
 from .step_graphs import MAX_TOKENS as GRAPH_MAX_TOKENS
 from .step_graphs import StepGraphs
 from .verify_length import VerifyCost
@@ -117,6 +118,18 @@ def parse_dtype(name: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+# The load-time batch-invariance verdict per model object: Targets built around an already
+# checked model (the app's, the tests') need not run the ~0.75 s check again.
+_ROWS_AGREE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+
+def rows_agree(model: Any, fast: FastForward) -> bool:
+    """`fast.rows_agree()`, once per model."""
+    if model not in _ROWS_AGREE:
+        _ROWS_AGREE[model] = fast.rows_agree()
+    return _ROWS_AGREE[model]
+
+
 @dataclass
 class Target:
     """A causal LM with its tokenizer, and the few calls the engine needs."""
@@ -161,7 +174,7 @@ class Target:
                 self._forward_note = f"lean forward{packed}"
                 if self.fast_path.invariant:
                     self._forward_note = "lean forward, batch-invariant bf16 (oneDNN, AMX)"
-                    if not self.fast_path.rows_agree():
+                    if not rows_agree(self.model, self.fast_path):
                         self.fast_path = FastForward(self.model, invariant=False)
                         self._forward_note = ("lean forward, bf16 (the batch-invariance check failed here: "
                                               "verify rows may round differently from plain decoding)")
@@ -320,6 +333,10 @@ def load_target(spec: str | None = None, device: str | None = None,
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
+    auto = dtype is None or dtype == "auto"
+    cpu = torch.device(device).type == "cpu"
+    if auto and cpu and torch_dtype == torch.bfloat16 and not lean_bf16_possible(path, fast):
+        torch_dtype = torch.float32  # known from the config: no batch-invariant path, so no bf16
 
     def build(torch_dtype: torch.dtype) -> Target:
         kwargs: dict[str, Any] = {"dtype": torch_dtype}
@@ -336,9 +353,23 @@ def load_target(spec: str | None = None, device: str | None = None,
                       fast=fast, graphs=graphs)
 
     target = build(torch_dtype)
-    if (dtype is None or dtype == "auto") and target.device.type == "cpu" and not target.invariant \
-            and torch_dtype == torch.bfloat16:
-        # bf16 was chosen for the batch-invariant lean path; without it a verify pass could round a
-        # near-tie differently from plain decoding, so a CPU takes float32 instead.
+    if auto and target.device.type == "cpu" and not target.invariant and torch_dtype == torch.bfloat16:
+        # bf16 was chosen for the batch-invariant lean path; without it (wrapped layers, or the
+        # load-time check failed) a verify pass could round a near-tie differently from plain
+        # decoding, so a CPU takes float32 instead.
         target = build(torch.float32)
     return target
+
+
+def lean_bf16_possible(path: str, fast: bool | None) -> bool:
+    """Whether a CPU target at `path` may take the batch-invariant bf16 path, as far as its
+    config tells (read before the weights, so that a target that cannot is loaded once)."""
+    from transformers import AutoConfig
+
+    if fast is False or (fast is None and os.environ.get("DFLASH_FAST_TARGET", "") == "0"):
+        return False
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return True  # let the model load say what is wrong
+    return config_unsupported_reason(cfg) is None

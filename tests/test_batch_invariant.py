@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import finish
 
 from dflash_core import batch_invariant, fast_forward
@@ -164,3 +165,42 @@ def test_float32_target_stays_exact(target_fp32: Target) -> None:
         cfg = GenerationConfig(max_new_tokens=48, temperature=0.0, block_size=16, verify=verify)
         prompt = "Write a Python function that returns the squares of a list of numbers."
         assert finish(eng.generate(prompt, cfg)).token_ids == finish(eng.generate(prompt, cfg, plain=True)).token_ids
+
+
+@needs_amx
+def test_the_check_runs_once_per_model(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Targets built around an already checked model (the tests', the app's) reuse its verdict."""
+    calls: list[int] = []
+    monkeypatch.setattr(fast_forward.FastForward, "rows_agree", lambda self: calls.append(1) or True)
+    again = Target(model=target.model, tokenizer=target.tokenizer, name=target.name, device=target.device,
+                   dtype=target.dtype)
+    assert again.invariant and calls == []
+
+
+@needs_amx
+def test_a_target_without_the_lean_path_loads_once_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Known from the config before any weights load: no lean path, so no bf16 (and no reload)."""
+    from transformers import AutoModelForCausalLM
+
+    loads: list[object] = []
+    real = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: loads.append(k.get("dtype")) or real(*a, **k))
+    t = load_target("embedded", device="cpu", fast=False)
+    assert t.dtype == torch.float32 and t.fast_path is None and loads == [torch.float32]
+
+
+@needs_amx
+def test_bf16_drafter_layers_multiply_through_reordered_weights() -> None:
+    """The drafter in bf16 on AMX: oneDNN's reordered weights, the same product as F.linear up
+    to bf16 rounding, re-laid after the weight changes, for any number of rows."""
+    torch.manual_seed(0)
+    layer = fast_forward.PackingLinear(64, 96, bias=False).to(torch.bfloat16)
+    with torch.inference_mode():
+        for rows in (4, 16, 40):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight).float(), rtol=2e-2, atol=2e-2)
+        assert layer._packed is not None and layer._packed[1] is not None
+        layer.weight.mul_(2)  # an in-place change: laid out again
+        x = torch.randn(16, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(layer(x).float(), F.linear(x, layer.weight).float(), rtol=2e-2, atol=2e-2)
