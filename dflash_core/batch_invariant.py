@@ -126,10 +126,21 @@ class AttentionPlan:
         return cls(start + n, base, None, base, index, seen)
 
 
+def values_with_ones(layer: object) -> torch.Tensor:
+    """A cache layer's values [kv_heads, S, head_dim + 1] with the column of ones `attention`
+    reads: the layer's own buffer (`TargetCache(value_ones=True)`, what a batch-invariant target
+    allocates), or a padded copy of a plain cache's."""
+    full = getattr(layer, "values_ones", None)
+    if full is not None:
+        return full[0]
+    return F.pad(layer.values[0], (0, 1), value=1.0)  # type: ignore[attr-defined]
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
               scale: float) -> torch.Tensor:
-    """q [heads, n, hd] (bf16, RoPE applied) over keys/values [kv_heads, S, hd], the layer's
-    whole buffers with this pass's rows already written; [heads, n, hd]."""
+    """q [heads, n, hd] (bf16, RoPE applied) over keys [kv_heads, S, hd] and values with a
+    column of ones [kv_heads, S, hd + 1] (`values_with_ones`), the layer's whole buffers with
+    this pass's rows already written; [heads, n, hd]."""
     heads, n, hd = q.shape
     nkv = keys.shape[0]
     g = heads // nkv
@@ -151,32 +162,29 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
         idx = (plan.index - plan.base).expand(nkv, g, n, -1)
         region = torch.gather(s[..., plan.base :], 3, idx).masked_fill_(~plan.visible, float("-inf"))
         top = region.amax(-1, keepdim=True) if top is None else torch.maximum(top, region.amax(-1, keepdim=True))
-    # Each chunk's weighted values and weight total, [chunks, kv_heads, g*n, hd + 1], in position
-    # order, zero-padded to a power of two for `_pairwise_sum`.
+    # Each chunk's weighted values and weight total (the ones column), [kv_heads, chunks, g*n,
+    # hd + 1] in position order: one bf16 GEMM with K = CHUNK per chunk, whose rows are
+    # independent of the other rows. Masked keys weigh exactly 0.
+    parts: list[torch.Tensor] = []
     c_own = in_place // CHUNK
-    c_reg = 0 if region is None else region.shape[-1] // CHUNK
-    parts = s.new_zeros((1 << (c_own + c_reg - 1).bit_length(), nkv, g * n, hd + 1))
     if in_place:
-        p = torch.exp(own - top)
-        parts[:c_own, ..., hd] = p.view(nkv, g * n, c_own, CHUNK).sum(-1).permute(2, 0, 1)
-        pc = p.to(values.dtype).view(nkv, g * n, c_own, CHUNK).transpose(1, 2)
-        parts[:c_own, ..., :hd] = torch.matmul(pc, values[:, :in_place].view(nkv, c_own, CHUNK, hd)).transpose(0, 1)
+        p = own.sub_(top).exp_().to(values.dtype).view(nkv, g * n, c_own, CHUNK).transpose(1, 2)
+        parts += torch.matmul(p, values[:, :in_place].view(nkv, c_own, CHUNK, hd + 1)).unbind(1)
     if region is not None and plan.index is not None:
-        p = torch.exp(region - top)
-        own_parts = parts[c_own : c_own + c_reg].view(c_reg, nkv, g, n, hd + 1)
-        own_parts[..., hd] = p.view(nkv, g, n, c_reg, CHUNK).sum(-1).permute(3, 0, 1, 2)
-        v = values.index_select(1, plan.index.view(-1)).view(nkv, n, c_reg, CHUNK, hd)
-        pc = p.to(values.dtype).view(nkv, g, n, c_reg, CHUNK).permute(0, 2, 3, 1, 4)  # a [g, CHUNK] block per row
-        own_parts[..., :hd] = torch.matmul(pc, v).permute(2, 0, 3, 1, 4)
+        c_reg = region.shape[-1] // CHUNK
+        # A [g, CHUNK] block per row and chunk, against that row's own keys (its ancestors').
+        p = region.sub_(top).exp_().to(values.dtype).view(nkv, g, n, c_reg, CHUNK).permute(0, 2, 3, 1, 4)
+        v = values.index_select(1, plan.index.view(-1)).view(nkv, n, c_reg, CHUNK, hd + 1)
+        parts += torch.matmul(p, v).permute(2, 0, 3, 1, 4).reshape(c_reg, nkv, g * n, hd + 1).unbind(0)
     total = _pairwise_sum(parts)
     return (total[..., :hd] / total[..., hd:]).to(q.dtype).view(heads, n, hd)
 
 
-def _pairwise_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 0 (a power of two long) by adjacent pairs, level by level: chunk i's path
-    through the additions depends only on i, and the chunks past a row's position are zeros, so
-    a row gets the same bits whatever the number of trailing chunks."""
-    while x.shape[0] > 1:
-        x = x.view(x.shape[0] // 2, 2, *x.shape[1:])
-        x = x[:, 0] + x[:, 1]
-    return x[0]
+def _pairwise_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Sum by adjacent pairs, level by level, an odd last part passing to the next level as it
+    is: part i's path through the additions depends only on i (as if the count were padded with
+    zeros to a power of two), and the chunks past a row's position are zeros, so a row gets the
+    same bits whatever the number of trailing chunks."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]

@@ -18,17 +18,27 @@ class PreallocatedLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, max_cache_len: int, **kwargs: object) -> None:
+    def __init__(self, max_cache_len: int, value_ones: bool = False, **kwargs: object) -> None:
         super().__init__()
         self.max_cache_len = max_cache_len
         self.length = 0
+        self.value_ones = value_ones
+        self.values_ones: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, dk = key_states.shape
         dv = value_states.shape[-1]
         self.device = key_states.device
         self.keys = key_states.new_zeros((b, h, self.max_cache_len, dk))
-        self.values = value_states.new_zeros((b, h, self.max_cache_len, dv))
+        if self.value_ones:
+            # Values with a column of ones after them, `values` being the view without it: one
+            # GEMM of attention weights against this gives the weighted values and the weights'
+            # total together (batch_invariant.attention).
+            self.values_ones = value_states.new_zeros((b, h, self.max_cache_len, dv + 1))
+            self.values_ones[..., dv] = 1
+            self.values = self.values_ones[..., :dv]
+        else:
+            self.values = value_states.new_zeros((b, h, self.max_cache_len, dv))
         self.is_initialized = True
 
     def update(
@@ -64,8 +74,8 @@ class PreallocatedLayer(CacheLayerMixin):
 class TargetCache(Cache):
     """A transformers cache of `PreallocatedLayer`s for every layer of the target."""
 
-    def __init__(self, num_layers: int, max_cache_len: int) -> None:
-        super().__init__(layers=[PreallocatedLayer(max_cache_len) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, max_cache_len: int, value_ones: bool = False) -> None:
+        super().__init__(layers=[PreallocatedLayer(max_cache_len, value_ones) for _ in range(num_layers)])
         self.max_cache_len = max_cache_len
 
     def truncate(self, length: int) -> None:

@@ -345,7 +345,7 @@ class FastForward:
         start, steps = batch_invariant.CHUNK - 3, 8
 
         def primed() -> TargetCache:
-            cache = TargetCache(len(self.layers), start + 2 * steps)
+            cache = TargetCache(len(self.layers), start + 2 * steps, value_ones=True)
             self.forward(ids[None, :start], cache)
             return cache
 
@@ -422,7 +422,8 @@ class FastForward:
             layer = cache.layers[i]
             keys, values = layer.update(k.unsqueeze(0), v.unsqueeze(0))
             if isinstance(mask, AttentionPlan):
-                return batch_invariant.attention(q, layer.keys[0], layer.values[0], mask, self.scale)
+                return batch_invariant.attention(q, layer.keys[0], batch_invariant.values_with_ones(layer), mask,
+                                                 self.scale)
             return self._attention(q, keys, values, mask, causal=mask is None)
 
         return self._layers(ids, cos, sin, attend, layer_ids, last_only)

@@ -248,7 +248,7 @@ class Target:
 
     # --- maths ---
     def new_cache(self, max_len: int) -> TargetCache:
-        return TargetCache(self.num_layers, max_len)
+        return TargetCache(self.num_layers, max_len, value_ones=self.invariant)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model.get_input_embeddings()(ids)

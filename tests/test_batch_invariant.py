@@ -88,12 +88,13 @@ def test_attention_computes_masked_softmax_attention() -> None:
     heads, kv, hd, start = 6, 2, 64, 90
     keys = torch.randn(kv, 200, hd, generator=gen).bfloat16()
     values = torch.randn(kv, 200, hd, generator=gen).bfloat16()
+    ones = F.pad(values, (0, 1), value=1.0)  # the layout a batch-invariant target's cache keeps
     n = 5
     q = torch.randn(heads, n, hd, generator=gen).bfloat16()
     plan = AttentionPlan.chain(start, n, torch.device("cpu"))
     visible = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
     want = reference_attention(q, keys[:, : start + n], values[:, : start + n], visible, hd**-0.5)
-    torch.testing.assert_close(attention(q, keys, values, plan, hd**-0.5).float(), want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(attention(q, keys, ones, plan, hd**-0.5).float(), want, atol=3e-2, rtol=3e-2)
 
     # A tree: rows [anchor, a, b, a's child]; each sees the cache, its ancestors and itself.
     depths = torch.tensor([0, 1, 1, 2])
@@ -102,17 +103,22 @@ def test_attention_computes_masked_softmax_attention() -> None:
     q = q[:, :4].contiguous()
     visible = torch.cat([torch.ones(4, start, dtype=torch.bool), seen], 1)
     want = reference_attention(q, keys[:, : start + 4], values[:, : start + 4], visible, hd**-0.5)
-    torch.testing.assert_close(attention(q, keys, values, plan, hd**-0.5).float(), want, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(attention(q, keys, ones, plan, hd**-0.5).float(), want, atol=3e-2, rtol=3e-2)
 
 
 def test_pairwise_sum_ignores_trailing_zero_chunks() -> None:
+    """Any number of trailing zero chunks (a row's chunks past its position) leaves the sum's
+    bits as they are, and an odd count sums as if padded with zeros to a power of two."""
     gen = torch.Generator().manual_seed(1)
-    for k in (1, 3, 5, 8):
-        x = torch.randn(k, 7, generator=gen) * torch.logspace(-3, 3, k)[:, None]
-        short = torch.cat([x, x.new_zeros(((1 << (k - 1).bit_length()) - k, 7))])
-        for size in (16, 32):
-            if size >= k:
-                assert torch.equal(_pairwise_sum(torch.cat([x, x.new_zeros(size - k, 7)])), _pairwise_sum(short))
+    for k in (1, 2, 3, 5, 7, 8):
+        x = torch.randn(3, k, 7, generator=gen) * torch.logspace(-3, 3, k)[None, :, None]
+        want = _pairwise_sum(list(x.unbind(1)))
+        for size in range(k, 19):
+            padded = torch.cat([x, x.new_zeros(3, size - k, 7)], 1)
+            assert torch.equal(_pairwise_sum(list(padded.unbind(1))), want), (k, size)
+        torch.testing.assert_close(want, x.sum(1))
+    a, b, c = torch.randn(3, 5, generator=gen).unbind(0)
+    assert torch.equal(_pairwise_sum([a, b, c]), (a + b) + c)
 
 
 def test_tree_plan_gathers_each_rows_ancestors() -> None:
