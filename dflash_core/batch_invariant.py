@@ -68,6 +68,18 @@ class InvariantLinear:
         b = None if bias is None else bias.detach().to(torch.bfloat16)
         return cls(w, b, torch.ops.mkldnn._reorder_linear_weight(w, 16))
 
+    @classmethod
+    def joined(cls, modules: list[torch.nn.Module]) -> InvariantLinear:
+        """Linear layers that read the same input as one, their outputs side by side (q/k/v,
+        gate/up); a missing bias counts as zeros."""
+        weights = [m.weight for m in modules]
+        biases = [getattr(m, "bias", None) for m in modules]
+        bias = None
+        if any(b is not None for b in biases):
+            pairs = zip(weights, biases, strict=True)
+            bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in pairs])
+        return cls.of(torch.cat(weights), bias)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -234,16 +234,20 @@ def _norm(module: Any, default_eps: float) -> Norm:
 @dataclass
 class Layer:
     attn_norm: Norm
-    q: Linear
-    k: Linear
-    v: Linear
-    o: Linear
+    q: Linear | None
+    k: Linear | None
+    v: Linear | None
+    o: Linear | InvariantLinear
     q_norm: Norm | None  # Qwen3 normalises each head's queries and keys before RoPE
     k_norm: Norm | None
     mlp_norm: Norm
-    gate: Linear
-    up: Linear
-    down: Linear
+    gate: Linear | None
+    up: Linear | None
+    down: Linear | InvariantLinear
+    # The batch-invariant path multiplies q/k/v and gate/up as one GEMM each (fewer, wider
+    # calls; as row-invariant as the separate ones), in place of the five above.
+    qkv: InvariantLinear | None = None
+    gate_up: InvariantLinear | None = None
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -288,15 +292,19 @@ class FastForward:
 
         for block in inner.layers:
             a, m = block.self_attn, block.mlp
+            fused = invariant
             self.layers.append(Layer(
                 attn_norm=_norm(block.input_layernorm, eps),
-                q=make_linear(a.q_proj, pack), k=make_linear(a.k_proj, pack), v=make_linear(a.v_proj, pack),
+                q=None if fused else _plain(a.q_proj, pack), k=None if fused else _plain(a.k_proj, pack),
+                v=None if fused else _plain(a.v_proj, pack),
                 o=make_linear(a.o_proj, pack),
                 q_norm=_norm(a.q_norm, eps) if hasattr(a, "q_norm") else None,
                 k_norm=_norm(a.k_norm, eps) if hasattr(a, "k_norm") else None,
                 mlp_norm=_norm(block.post_attention_layernorm, eps),
-                gate=make_linear(m.gate_proj, pack), up=make_linear(m.up_proj, pack),
+                gate=None if fused else _plain(m.gate_proj, pack), up=None if fused else _plain(m.up_proj, pack),
                 down=make_linear(m.down_proj, pack),
+                qkv=InvariantLinear.joined([a.q_proj, a.k_proj, a.v_proj]) if fused else None,
+                gate_up=InvariantLinear.joined([m.gate_proj, m.up_proj]) if fused else None,
             ))
         self.final_norm = _norm(inner.norm, eps)
         self.head = make_linear(model.lm_head, pack)
@@ -315,8 +323,9 @@ class FastForward:
         return not self.invariant and self.head.packed is not None
 
     def _linears(self) -> list[Linear | InvariantLinear]:
-        return [*(lin for la in self.layers for lin in (la.q, la.k, la.v, la.o, la.gate, la.up, la.down)),
-                self.head]
+        layers = (lin for la in self.layers for lin in (la.q, la.k, la.v, la.o, la.gate, la.up, la.down, la.qkv,
+                                                        la.gate_up))
+        return [*(lin for lin in layers if lin is not None), self.head]
 
     @torch.inference_mode()
     def _packed_shapes_agree(self) -> bool:
@@ -489,9 +498,12 @@ class FastForward:
         x = F.embedding(ids[0], self.embed)
         for i, layer in enumerate(self.layers):
             h = layer.attn_norm(x)
-            q = layer.q(h).view(n, nh, hd)
-            k = layer.k(h).view(n, nkv, hd)
-            v = layer.v(h).view(n, nkv, hd)
+            if layer.qkv is not None:
+                q, k, v = layer.qkv(h).split((nh * hd, nkv * hd, nkv * hd), -1)
+            else:
+                assert layer.q is not None and layer.k is not None and layer.v is not None
+                q, k, v = layer.q(h), layer.k(h), layer.v(h)
+            q, k, v = q.view(n, nh, hd), k.view(n, nkv, hd), v.view(n, nkv, hd)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
@@ -500,7 +512,12 @@ class FastForward:
             out = attend(i, q, k, v)
             x = x + layer.o(out.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd))
             h = layer.mlp_norm(x)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+            if layer.gate_up is not None:
+                gate, up = layer.gate_up(h).chunk(2, -1)
+            else:
+                assert layer.gate is not None and layer.up is not None
+                gate, up = layer.gate(h), layer.up(h)
+            x = x + layer.down(F.silu(gate) * up)
             if i in wanted:
                 feats[i] = x
         if len(self.layers) - 1 in wanted and self.norm_last_hidden:
