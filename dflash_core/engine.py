@@ -79,15 +79,18 @@ class Engine:
             drafter.to(device=target.device, dtype=target.dtype).eval()
         self._draft_head = self._draft_vocab_head()
 
-    def verify_cost_for(self, block: int, upto: int | None = None) -> VerifyCost:
-        """The target's measured pass times, covering blocks up to at least `block` tokens
-        (measured on first use, up to `upto` tokens: a few seconds; kept on the target for every
-        engine; beyond the table the cost follows its last segment's slope)."""
-        cost = self.target.verify_cost
+    def verify_cost_for(self, block: int, upto: int | None = None, tree: bool = False) -> VerifyCost:
+        """The target's measured pass times (`tree`: of tree passes), covering blocks up to at
+        least `block` tokens (measured on first use, up to `upto` tokens: a few seconds; kept on
+        the target for every engine; beyond the table the cost follows its last segment's slope)."""
+        cost = self.target.tree_cost if tree else self.target.verify_cost
         if cost is None or cost.sizes[-1] < block:
             layer_ids = None if self.drafter is None else self.drafter.config.target_layer_ids
-            cost = measure_verify_cost(self.target, layer_ids, max(block, upto or block, 16))
-            self.target.verify_cost = cost
+            cost = measure_verify_cost(self.target, layer_ids, max(block, upto or block, 16), tree=tree)
+            if tree:
+                self.target.tree_cost = cost
+            else:
+                self.target.verify_cost = cost
         return cost
 
     def _draft_vocab_head(self) -> tuple[torch.Tensor, Linear] | None:
@@ -168,7 +171,8 @@ class Engine:
         tree_mode = mode in TREE_MODES
         adaptive = mode in ("adaptive", "tree")
         tree_cap = max_tree_nodes(block, sized=adaptive)
-        cost = self.verify_cost_for(block, upto=tree_cap + 1 if tree_mode else block) if adaptive else None
+        cost = self.verify_cost_for(block, upto=tree_cap + 1 if tree_mode else block, tree=tree_mode) \
+            if adaptive else None
         cache_len = len(ids) + max_new + max(block, tree_cap + 1 if tree_mode else 0) + 1
         tcache = target.new_cache(cache_len)
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)

@@ -142,6 +142,7 @@ class Target:
     # Measured pass times per token count on this machine (verify_length.measure_verify_cost),
     # filled on first use by an engine with the adaptive verify length and shared by all engines.
     verify_cost: VerifyCost | None = field(default=None, repr=False)
+    tree_cost: VerifyCost | None = field(default=None, repr=False)  # the same for tree passes
     # The lean forward (fast_forward.py): None = where it pays and fits (CPU; `DFLASH_FAST_TARGET`
     # 0/1 overrides), False = always transformers' forward, True = lean wherever supported.
     fast: bool | None = None

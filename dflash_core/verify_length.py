@@ -126,18 +126,36 @@ def calibration_sizes(max_tokens: int) -> list[int]:
     return [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if n < max_tokens] + [max_tokens]
 
 
+def calibration_tree(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(depths [n], visible [n, n]) of an n-row tree pass to time: the anchor, then two
+    interleaved lines (a main line and its alternatives, as best-first trees from a drafter's
+    marginals mostly are), about n/2 deep."""
+    parents = [-1 if i < 2 else i - 2 for i in range(n - 1)]  # node i's parent; -1: the anchor
+    depths = [0]
+    visible = torch.eye(n, dtype=torch.bool, device=device)
+    visible[:, 0] = True
+    for i, p in enumerate(parents):
+        depths.append(1 if p < 0 else depths[p + 1] + 1)
+        if p >= 0:
+            visible[i + 1] |= visible[p + 1]
+    return torch.tensor(depths, device=device), visible
+
+
 @torch.inference_mode()
-def measure_verify_cost(target: Target, layer_ids: list[int] | None, max_tokens: int) -> VerifyCost:
+def measure_verify_cost(target: Target, layer_ids: list[int] | None, max_tokens: int,
+                        tree: bool = False) -> VerifyCost:
     """Time the target's passes over 1..max_tokens tokens after a short context, as the engine
-    calls them (with the drafter's feature layers). Sizes are interleaved over the repeats, so a
-    change in the machine's load lands on all of them alike; the fastest repeat is kept.
-    About 30 target passes: a few seconds for a small target on a CPU."""
+    calls them (with the drafter's feature layers; `tree`: tree passes, which may cost more
+    than a chain of as many tokens). Sizes are interleaved over the repeats, so a change in the
+    machine's load lands on all of them alike; the fastest repeat is kept. About 30 target
+    passes: a few seconds for a small target on a CPU."""
     sizes = calibration_sizes(max(1, max_tokens))
     dev = target.device
     vocab = target.vocab_size
     context = torch.arange(CALIBRATION_CONTEXT, device=dev)[None] * 7919 % vocab
     cache = target.new_cache(CALIBRATION_CONTEXT + max(sizes))
     target.forward(context, cache, layer_ids)
+    shapes = {n: calibration_tree(n, dev) for n in sizes} if tree else {}
     times: dict[int, list[float]] = {n: [] for n in sizes}
     for rep in range(CALIBRATION_REPEATS + 1):  # the first round warms up and is not kept
         for n in sizes:
@@ -146,7 +164,10 @@ def measure_verify_cost(target: Target, layer_ids: list[int] | None, max_tokens:
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
-            logits, _ = target.forward(ids, cache, layer_ids)
+            if n in shapes:
+                logits, _ = target.tree_forward(ids, *shapes[n], cache, layer_ids)
+            else:
+                logits, _ = target.forward(ids, cache, layer_ids)
             logits[-1, 0].item()  # wait for the pass, as the engine's block sync does
             if rep:
                 times[n].append((time.perf_counter() - t0) * 1e3)

@@ -151,6 +151,7 @@ def test_tree_output_is_plain_greedy_output(target: Target, shipped_engine: Engi
                                             plain_outputs: list[list[int]], block: int, mode: str,  # noqa: F811
                                             lookup: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(target, "verify_cost", CPU_LIKE)  # choices independent of this machine's noise
+    monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     eng = TreeRecordingEngine(target, shipped_engine.drafter)
     cfg = GenerationConfig(max_new_tokens=40, block_size=block, verify=mode, lookup=lookup)
     guessed = 0
@@ -205,6 +206,7 @@ def test_tree_sampling_matches_target_distribution(toy_engine: Engine, mode: str
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     engine = toy_engine
     monkeypatch.setattr(engine.target, "verify_cost", CPU_LIKE)
+    monkeypatch.setattr(engine.target, "tree_cost", CPU_LIKE)
     cfg = GenerationConfig(max_new_tokens=3, temperature=1.0, block_size=3, verify=mode, lookup=lookup)
     exact = exact_distribution(engine.target, cfg)
     counts, tau = sampled_counts(engine, cfg)

@@ -21,6 +21,7 @@ from dflash_core.verify_length import (
     MIN_DRAFT_LENGTH,
     VerifyCost,
     calibration_sizes,
+    calibration_tree,
     choose_verify_length,
     measure_verify_cost,
     next_draft_length,
@@ -135,6 +136,7 @@ def test_adaptive_output_is_plain_greedy_output(target, shipped_engine: Engine, 
                                                 block: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # A fixed CPU-shaped table, so the choices do not depend on this machine's timing noise.
     monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
+    monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     cfg = GenerationConfig(max_new_tokens=40, block_size=block, verify="adaptive")
     shorter = fewer_drafted = 0
     for prompt, plain in zip(PROMPTS, plain_outputs, strict=True):
@@ -152,7 +154,20 @@ def test_adaptive_output_is_plain_greedy_output(target, shipped_engine: Engine, 
 
 def test_full_mode_verifies_every_draft(target, shipped_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
+    monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     cfg = GenerationConfig(max_new_tokens=24, block_size=8, verify="full")
     events, fin = run(shipped_engine, PROMPTS[0], cfg)
     check_events(events, fin, prompt_len=fin.prompt_tokens, max_new=24, block=8, eos=target.eos_ids, full=True)
     assert all(ev.verified == 7 for ev in events[1:])
+
+
+def test_tree_calibration_times_tree_passes(target) -> None:
+    """Tree modes size their trees with the cost of tree passes (their rows' ancestors are
+    gathered: dearer than a chain of as many tokens on the batch-invariant path)."""
+    depths, visible = calibration_tree(9, torch.device("cpu"))
+    assert depths.tolist() == [0, 1, 1, 2, 2, 3, 3, 4, 4]
+    assert visible.sum(1).tolist() == [d + 1 for d in depths.tolist()]  # itself and one row per depth
+    assert visible[8].nonzero().flatten().tolist() == [0, 2, 4, 6, 8]
+    cost = measure_verify_cost(target, [1, 27], 8, tree=True)
+    assert cost.sizes == tuple(calibration_sizes(8))
+    assert all(b >= a > 0 for a, b in itertools.pairwise(cost.ms))
