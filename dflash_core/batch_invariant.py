@@ -104,6 +104,20 @@ class AttentionPlan:
     index: torch.Tensor | None = None  # [n, W] long, W a multiple of CHUNK
     visible: torch.Tensor | None = None  # [n, W] bool
 
+    # Derived once per pass, read by every layer.
+    @functools.cached_property
+    def masked(self) -> torch.Tensor | None:
+        return None if self.mask is None else ~self.mask
+
+    @functools.cached_property
+    def region_masked(self) -> torch.Tensor | None:
+        return None if self.visible is None else ~self.visible
+
+    @functools.cached_property
+    def region_slots(self) -> torch.Tensor | None:
+        """`index` relative to `base`: where each slot's score sits in the scores from `base` on."""
+        return None if self.index is None else self.index - self.base
+
     @property
     def extent(self) -> int:
         """Buffer rows the scores cover (past `length` only to finish a chunk: masked there)."""
@@ -166,13 +180,13 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
     s = torch.matmul((q * scale).reshape(nkv, g * n, hd), keys[:, :extent].transpose(1, 2)).float()
     s = s.view(nkv, g, n, extent)
     own = s[..., :in_place]
-    if plan.mask is not None:
-        own = own.masked_fill_(~plan.mask, float("-inf"))
+    if plan.masked is not None:
+        own = own.masked_fill_(plan.masked, float("-inf"))
     top = own.amax(-1, keepdim=True) if in_place else None
     region = None
-    if plan.index is not None and plan.visible is not None:
-        idx = (plan.index - plan.base).expand(nkv, g, n, -1)
-        region = torch.gather(s[..., plan.base :], 3, idx).masked_fill_(~plan.visible, float("-inf"))
+    if plan.region_slots is not None and plan.region_masked is not None:
+        idx = plan.region_slots.expand(nkv, g, n, -1)
+        region = torch.gather(s[..., plan.base :], 3, idx).masked_fill_(plan.region_masked, float("-inf"))
         top = region.amax(-1, keepdim=True) if top is None else torch.maximum(top, region.amax(-1, keepdim=True))
     # Each chunk's weighted values and weight total (the ones column), [kv_heads, chunks, g*n,
     # hd + 1] in position order: one bf16 GEMM with K = CHUNK per chunk, whose rows are
