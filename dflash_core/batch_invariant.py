@@ -10,12 +10,14 @@ near-tie every few hundred tokens. This module computes so that it cannot:
   (measured here for every shape of SmolLM2; 33 rows and more take another kernel), so a pass is
   cut into calls of at most `MAX_ROWS` rows. The weights are reordered once for oneDNN, which is
   also what makes bf16 fast: on the 2-core Xeon a 16-token pass costs ~1.26x a one-token pass
-  (fp32 with MKL-packed weights: ~1.8x), so verifying a block or a tree is cheap.
+  (fp32 with MKL-packed weights: ~1.8x), so verifying a block or a tree is cheap. Linears that
+  read the same input (q/k/v, gate/up) run as one GEMM (`InvariantLinear.joined`).
 - Attention: the keys a row sees are laid out by their absolute position and reduced in fixed
   chunks of `CHUNK` positions, whatever the pass: a verify row at position p and a plain step at
   p see the same keys in the same slots (a tree row's ancestors are gathered into the slots their
-  positions name), and the chunk totals are added by adjacent pairs over a power-of-two count
-  (`_pairwise_sum`), where trailing all-masked chunks add exact zeros.
+  positions name). One GEMM per chunk against the values and a column of ones beside them gives
+  the chunk's weighted values and its weights' total; the chunks are added by adjacent pairs,
+  level by level (`_pairwise_sum`), so trailing all-masked chunks add exact zeros.
 
 `FastForward` checks the result on the model itself when it is built (`rows_agree`): a verify pass
 and a tree pass must give plain decoding's logits bit for bit, or the lean path falls back to
