@@ -56,6 +56,16 @@ def amx_bf16_available() -> bool:
         return False
 
 
+def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [out, in] weight reordered once into oneDNN's layout (for `onednn_linear`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), 16)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, in] (bf16) times a weight laid out by `onednn_weight`."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 @dataclass
 class InvariantLinear:
     """A bf16 linear layer through oneDNN with its weight reordered once."""
@@ -68,7 +78,7 @@ class InvariantLinear:
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> InvariantLinear:
         w = weight.detach().to(torch.bfloat16).contiguous()
         b = None if bias is None else bias.detach().to(torch.bfloat16)
-        return cls(w, b, torch.ops.mkldnn._reorder_linear_weight(w, 16))
+        return cls(w, b, onednn_weight(w))
 
     @classmethod
     def joined(cls, modules: list[torch.nn.Module]) -> InvariantLinear:
@@ -84,7 +94,7 @@ class InvariantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_ROWS:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return onednn_linear(x, self.packed, self.bias)
         return torch.cat([self(x[i : i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])
 
 

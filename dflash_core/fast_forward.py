@@ -157,7 +157,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """x [rows, in] times the weight, through the packed copy when there is one (fp32: and
     enough rows)."""
     if packed is not None and weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return batch_invariant.onednn_linear(x, packed, bias)
     if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
         # The last argument tells MKL that `packed` is laid out for this many rows.
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
@@ -173,7 +173,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.dtype == torch.bfloat16:
         if not batch_invariant.amx_bf16_available() or os.environ.get("DFLASH_PACK_WEIGHTS", "1") == "0":
             return None
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
+        return batch_invariant.onednn_weight(weight)
     if weight.dtype != torch.float32 or not mkl_packing_works():
         return None
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
@@ -292,7 +292,7 @@ class FastForward:
 
         for block in inner.layers:
             a, m = block.self_attn, block.mlp
-            fused = invariant
+            fused = invariant  # q/k/v and gate/up as one GEMM each (InvariantLinear.joined)
             self.layers.append(Layer(
                 attn_norm=_norm(block.input_layernorm, eps),
                 q=None if fused else _plain(a.q_proj, pack), k=None if fused else _plain(a.k_proj, pack),
