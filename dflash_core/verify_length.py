@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import VERIFY_MODES
+from .draft_tree import DraftTree, visibility
 
 if TYPE_CHECKING:  # targets.py imports this module
     from .targets import Target
@@ -131,14 +132,9 @@ def calibration_tree(n: int, device: torch.device) -> tuple[torch.Tensor, torch.
     interleaved lines (a main line and its alternatives, as best-first trees from a drafter's
     marginals mostly are), about n/2 deep."""
     parents = [-1 if i < 2 else i - 2 for i in range(n - 1)]  # node i's parent; -1: the anchor
-    depths = [0]
-    visible = torch.eye(n, dtype=torch.bool, device=device)
-    visible[:, 0] = True
-    for i, p in enumerate(parents):
-        depths.append(1 if p < 0 else depths[p + 1] + 1)
-        if p >= 0:
-            visible[i + 1] |= visible[p + 1]
-    return torch.tensor(depths, device=device), visible
+    depths = [i // 2 + 1 for i in range(n - 1)]
+    tree = DraftTree(list(range(n - 1)), parents, depths, [1.0] * (n - 1), [False] * (n - 1))
+    return torch.tensor([0, *depths], device=device), visibility(tree, device)
 
 
 @torch.inference_mode()
