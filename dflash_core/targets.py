@@ -123,6 +123,15 @@ def parse_dtype(name: str | torch.dtype | None, device: str) -> torch.dtype:
 _ROWS_AGREE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
+def lean_path_wanted(fast: bool | None, device_type: str, graphs: bool) -> bool:
+    """Whether a target takes the lean forward where it supports the model (`Target.fast`;
+    `DFLASH_FAST_TARGET` 0/1 overrides the default: on a CPU, or for CUDA graphs)."""
+    if fast is not None:
+        return fast
+    env = os.environ.get("DFLASH_FAST_TARGET", "")
+    return env == "1" or (env != "0" and (device_type == "cpu" or graphs))
+
+
 def rows_agree(model: Any, fast: FastForward) -> bool:
     """`fast.rows_agree()`, once per model."""
     if model not in _ROWS_AGREE:
@@ -163,11 +172,7 @@ class Target:
         graphs = self.graphs
         if graphs is None:
             graphs = cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "0") == "1"
-        want = self.fast
-        if want is None:
-            env = os.environ.get("DFLASH_FAST_TARGET", "")
-            want = env == "1" or (env != "0" and (self.device.type == "cpu" or graphs))
-        if want:
+        if lean_path_wanted(self.fast, self.device.type, graphs):
             reason = unsupported_reason(self.model)
             if reason is None:
                 self.fast_path = FastForward(self.model)
@@ -367,7 +372,7 @@ def lean_bf16_possible(path: str, fast: bool | None) -> bool:
     config tells (read before the weights, so that a target that cannot is loaded once)."""
     from transformers import AutoConfig
 
-    if fast is False or (fast is None and os.environ.get("DFLASH_FAST_TARGET", "") == "0"):
+    if not lean_path_wanted(fast, "cpu", graphs=False):
         return False
     try:
         cfg = AutoConfig.from_pretrained(path)
