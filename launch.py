@@ -61,13 +61,15 @@ def main(argv: list[str] | None = None) -> int:
           f"— ready in {time.perf_counter() - t0:.1f} s", flush=True)
     for note in engine.warnings:
         print(f"[dflash] warning: {note}", flush=True)
-    if drafter is not None and resolve_mode("auto", engine.target.device) == "adaptive":
-        # Now rather than in the first reply: the adaptive verify length needs the target's pass times.
-        t1 = time.perf_counter()
-        cost = engine.verify_cost_for(drafter.block_size)
+    # Now rather than in the first reply: sized verification needs the target's pass times, for the
+    # mode the app's default settings (greedy, one denoising step) resolve to.
+    mode = resolve_mode("auto", engine.target.device, greedy=True, tree_ok=engine.target.supports_tree)
+    t1 = time.perf_counter()
+    cost = None if drafter is None else engine.cost_table(mode, drafter.block_size)
+    if cost is not None:
         steps = ", ".join(f"{n}: {r:.2f}" for n, r in cost.relative().items())
-        print(f"[dflash] verify cost in one-token passes ({steps}) measured in {time.perf_counter() - t1:.1f} s",
-              flush=True)
+        print(f"[dflash] {mode} pass cost in one-token passes ({steps}) measured in "
+              f"{time.perf_counter() - t1:.1f} s", flush=True)
 
     from app.ui import build_app, launch_kwargs
 

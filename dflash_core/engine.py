@@ -93,6 +93,16 @@ class Engine:
                 self.target.verify_cost = cost
         return cost
 
+    def cost_table(self, mode: str, block: int) -> VerifyCost | None:
+        """The pass times a verify `mode` sizes its blocks with at block size `block` (None for
+        the modes that verify everything): chain passes up to the block, tree passes up to the
+        largest tree. launch.py calls it before the first reply, which then need not measure."""
+        if mode == "adaptive":
+            return self.verify_cost_for(block)
+        if mode == "tree":
+            return self.verify_cost_for(block, upto=max_tree_nodes(block, sized=True) + 1, tree=True)
+        return None
+
     def _draft_vocab_head(self) -> tuple[torch.Tensor, Linear] | None:
         """(token ids, their LM-head rows as a layer, packed like the target's) when the
         drafter drafts from a vocabulary subset (`DFLASH_DRAFT_VOCAB=0` turns it off: draft over
@@ -171,8 +181,7 @@ class Engine:
         tree_mode = mode in TREE_MODES
         adaptive = mode in ("adaptive", "tree")
         tree_cap = max_tree_nodes(block, sized=adaptive)
-        cost = self.verify_cost_for(block, upto=tree_cap + 1 if tree_mode else block, tree=tree_mode) \
-            if adaptive else None
+        cost = None if mode is None else self.cost_table(mode, block)
         cache_len = len(ids) + max_new + max(block, tree_cap + 1 if tree_mode else 0) + 1
         tcache = target.new_cache(cache_len)
         gen = torch.Generator(device=dev).manual_seed(cfg.seed)
