@@ -18,12 +18,12 @@ import torch
 
 from . import kernels
 from .config import TREE_MODES, GenerationConfig
-from .draft_tree import BRANCHING, DraftTree, add_chain, grow_tree, max_tree_nodes, visibility, walk
+from .draft_tree import BRANCHING, DraftTree, grow_tree, max_tree_nodes, visibility, walk
 from .drafter import DFlashDrafter, check_fit
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
 from .fast_forward import Linear, pack_weight
-from .lookup import LookupRates, NgramIndex
+from .lookup import LookupRates, NgramIndex, with_lookup
 from .targets import Target
 from .verify import draw_uniforms, greedy_accept, logits_to_probs, sample, speculative_accept
 from .verify_length import (
@@ -235,9 +235,9 @@ class Engine:
             draft = self.draft_block(anchor, start, pending, dcache, draft_len, cfg, gen)
             if tree_mode:
                 tree = self._draft_tree(draft, tree_cap)
-                guess_n, guess = (0, []) if ngrams is None else ngrams.guess(block - 1)
-                if guess:
-                    tree = add_chain(tree, guess, rates.scores(guess_n, len(guess)))
+                guess_n, guess = 0, []
+                if ngrams is not None:
+                    tree, (guess_n, guess) = with_lookup(tree, ngrams, rates, block - 1)
                 tree = tree.prefix(tree_cap)
                 if cost is not None:  # as many candidates as pay for their share of the pass
                     draft_ms = (state.draft_s + time.perf_counter() - t1) * 1e3 / (state.blocks + 1)

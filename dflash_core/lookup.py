@@ -5,6 +5,8 @@ reply repeats itself. So after the committed tokens' last n-gram (n = 3, 2, 1, l
 the tokens that followed its most recent earlier occurrence are a good guess for what follows
 now. Those guesses join the drafter's candidates in the tree (`draft_tree.add_chain`); the target
 checks both in the same pass. It costs no model: an index of n-grams, updated as tokens commit.
+The drafter's best few nodes get a guess too, read as if their tokens were committed
+(`with_lookup`): the drafter may see a repeat coming one token before the committed text does.
 
 Each guessed token gets a score like a drafter candidate's, its estimated chance of being the
 target's next token given the ones before it were. The estimate is a per-reply running rate by
@@ -16,7 +18,10 @@ scores only decide which candidates the target checks.
 
 from __future__ import annotations
 
+from .draft_tree import DraftTree, add_chain
+
 MAX_NGRAM = 3
+BRANCHES = 4  # the drafter's best nodes that also get a guess for what follows them
 POSITIONS = 4  # rates are kept for guess positions 0, 1, 2 and 3+
 # (n, position) -> rate, measured on SmolLM2-135M's own greedy replies to 952 ShareGPT prompts (the
 # training data's regenerated replies, 256 tokens each; never the evaluation sets): a 3-gram
@@ -46,14 +51,16 @@ class NgramIndex:
                     self._next[tuple(self.ids[end - n : end])] = end
             self.ids.append(t)
 
-    def guess(self, length: int) -> tuple[int, list[int]]:
+    def guess(self, length: int, path: list[int] | tuple[int, ...] = ()) -> tuple[int, list[int]]:
         """(n, up to `length` tokens that followed the latest earlier occurrence of the last n
-        tokens), trying the longest n first; (0, []) when nothing matches."""
-        ids = self.ids
-        for n in range(min(self.max_ngram, len(ids) - 1), 0, -1):
-            start = self._next.get(tuple(ids[len(ids) - n :]))
+        tokens), trying the longest n first; (0, []) when nothing matches. With `path` (a draft
+        node's tokens below the anchor), the guess is for after them, as if they were committed;
+        the index itself is not changed."""
+        tail = [*self.ids[len(self.ids) - self.max_ngram :], *path]
+        for n in range(min(self.max_ngram, len(self.ids) + len(path) - 1), 0, -1):
+            start = self._next.get(tuple(tail[len(tail) - n :]))
             if start is not None:
-                return n, ids[start : start + length]
+                return n, self.ids[start : start + length]
         return 0, []
 
 
@@ -85,3 +92,26 @@ class LookupRates:
             if g != c:
                 return
             self.hits[key] += 1
+
+
+def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_depth: int,
+                branches: int = BRANCHES) -> tuple[DraftTree, tuple[int, list[int]]]:
+    """The drafter's `tree` with prompt-lookup chains merged in: one after the anchor, and one
+    after each of the drafter's `branches` best nodes, as if that node's path were committed (when
+    the drafter has the first tokens of a repeat right but the committed text does not yet reach
+    into it, lookup can then carry the rest). A chain's scores are its node's score times the
+    guess's rates; chains run at most to block position `max_depth`.
+    Returns the tree and the anchor's guess (n, tokens), which `rates.update` learns from."""
+    paths = [[tree.tokens[j] for j in tree.path_to(i)] for i in range(min(branches, len(tree)))]
+    scores = [[tree.scores[j] for j in tree.path_to(i)] for i in range(len(paths))]
+    anchor_guess = index.guess(max_depth)
+    if anchor_guess[1]:
+        tree = add_chain(tree, anchor_guess[1], rates.scores(*(anchor_guess[0], len(anchor_guess[1]))))
+    for path, path_scores in zip(paths, scores, strict=True):
+        if len(path) >= max_depth:
+            continue
+        n, guess = index.guess(max_depth - len(path), path)
+        if guess:
+            below = [path_scores[-1] * r for r in rates.scores(n, len(guess))]
+            tree = add_chain(tree, path + guess, path_scores + below)
+    return tree, anchor_guess

@@ -7,13 +7,15 @@ import random
 import pytest
 
 from dflash_core.draft_tree import add_chain, grow_tree
-from dflash_core.lookup import PRIOR, LookupRates, NgramIndex
+from dflash_core.lookup import PRIOR, LookupRates, NgramIndex, with_lookup
 
 
-def brute_guess(ids: list[int], length: int, max_ngram: int = 3) -> tuple[int, list[int]]:
-    """The latest earlier occurrence of the last n tokens (longest n first), searched directly."""
-    for n in range(min(max_ngram, len(ids) - 1), 0, -1):
-        tail = ids[-n:]
+def brute_guess(ids: list[int], path: list[int], length: int, max_ngram: int = 3) -> tuple[int, list[int]]:
+    """The latest occurrence inside `ids` (with a continuation there) of the last n tokens of
+    ids + path, searched directly; the continuation comes from `ids`."""
+    seq = ids + path
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        tail = seq[-n:]
         for s in range(len(ids) - n - 1, -1, -1):
             if ids[s : s + n] == tail:
                 return n, ids[s + n : s + n + length]
@@ -30,7 +32,18 @@ def test_index_matches_a_direct_search_as_tokens_arrive() -> None:
             chunk = [rng.randrange(vocab) for _ in range(rng.randint(1, 4))]
             index.extend(chunk)
             ids.extend(chunk)
-            assert index.guess(6) == brute_guess(ids, 6)
+            assert index.guess(6) == brute_guess(ids, [], 6)
+
+
+def test_guess_after_a_path_matches_a_direct_search() -> None:
+    rng = random.Random(1)
+    for trial in range(300):
+        vocab = 3 + trial % 6
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        path = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
+        index = NgramIndex(ids)
+        assert index.guess(5, path) == brute_guess(ids, path, 5), (ids, path)
+        assert index.ids == ids  # the path is not committed
 
 
 def test_index_examples() -> None:
@@ -68,3 +81,24 @@ def test_chain_merges_into_the_tree() -> None:
     # Low-scored guesses go after every drafter node, and a prefix leaves them out.
     low = add_chain(tree, [12], [0.01])
     assert low.tokens[-1] == 12 and low.prefix(len(tree)).tokens == tree.tokens
+
+
+def test_lookup_extends_the_drafters_best_nodes() -> None:
+    """After the anchor nothing repeats yet, but after the drafter's first candidate (30) the
+    text did occur before: its continuation hangs below that node, scored below it."""
+    index = NgramIndex([1, 30, 31, 32, 33, 2, 9])  # committed; the anchor is 9
+    tree = grow_tree([[0.6, 0.2], [0.5, 0.1]], [[30, 40], [41, 42]], max_nodes=4, branching=2)
+    rates = LookupRates()
+    merged, (n, guess) = with_lookup(tree, index, rates, max_depth=4)
+    assert (n, guess) == (0, [])  # "9" never occurred before: no guess after the anchor
+    thirty = merged.tokens.index(30)
+    below = [i for i in range(len(merged)) if merged.is_lookup(i)]
+    assert [merged.tokens[i] for i in below] == [31, 32, 33]  # depth 2..4: max_depth caps the chain
+    assert merged.path_to(below[-1])[0] == thirty and merged.depths[below[-1]] == 4
+    assert merged.scores[below[0]] == pytest.approx(merged.scores[thirty] * rates.scores(1, 1)[0])
+    assert merged.scores == sorted(merged.scores, reverse=True)
+    for i, p in enumerate(merged.parents):
+        assert p < i
+    # Without branches only the anchor gets a guess: here none, so the drafter's tree is unchanged.
+    same, _ = with_lookup(tree, index, rates, max_depth=4, branches=0)
+    assert same == tree

@@ -152,3 +152,49 @@ def test_warm_start_grows_a_deeper_drafter_that_computes_the_same(target_fp32, t
     new.save(tmp_path / "new", dtype=torch.float32)
     with pytest.raises(ValueError, match="a different drafter shape"):  # shallower is not a growth
         build_drafter(target_fp32, LAYERS, num_layers=1, block_size=8, init=f"from:{tmp_path / 'new'}")
+
+
+def test_warm_start_widens_to_more_target_layers(target_fp32, tmp_path: Path) -> None:
+    """--init from:DIR with --target-layers a superset: fc's old columns move with their layers and
+    the new layer's start at zero, so the wider drafter computes what the old one did, and the new
+    columns get gradients."""
+    old = build_drafter(target_fp32, LAYERS, num_layers=1, block_size=8, seed=3)
+    old.save(tmp_path / "old", dtype=torch.float32)
+    wide_layers = [LAYERS[0], 9, LAYERS[1]]
+    new = build_drafter(target_fp32, wide_layers, num_layers=1, block_size=8, seed=4, init=f"from:{tmp_path / 'old'}")
+    assert new.config.target_layer_ids == wide_layers
+    h = target_fp32.config.hidden_size
+    assert torch.equal(new.fc.weight[:, :h], old.fc.weight[:, :h])
+    assert torch.equal(new.fc.weight[:, 2 * h:], old.fc.weight[:, h:])
+    assert not new.fc.weight[:, h:2 * h].any()
+    ids = torch.randint(100, 5000, (40,), generator=torch.Generator().manual_seed(0))
+    bb = build_blocks(ids, [10, 25], 8, 0)
+    emb = target_fp32.embed(bb.input_ids[None])
+    with torch.no_grad():
+        ref = old.forward_train(context_features(target_fp32, ids[None, : bb.context_len], LAYERS), emb,
+                                bb.positions, bb.mask)
+    out = new.forward_train(context_features(target_fp32, ids[None, : bb.context_len], wide_layers), emb,
+                            bb.positions, bb.mask)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    out.square().mean().backward()
+    assert new.fc.weight.grad[:, h:2 * h].abs().sum() > 0
+    with pytest.raises(ValueError, match="a different drafter shape"):  # not a superset: no silent guess
+        build_drafter(target_fp32, [LAYERS[0], 9], num_layers=1, block_size=8, init=f"from:{tmp_path / 'old'}")
+
+
+def test_feature_cache_serves_adjacent_layer_subsets(feature_dir, target_fp32) -> None:
+    """A cache of layers [a, b] serves [a] and [b] as views (no second target pass); [b, a] is not
+    a run of its columns, so it is refused with a clear message instead of read wrongly."""
+    root, _ = feature_dir
+    files = feature_files(root / "feats")
+    stamps = [f.stat().st_mtime_ns for f in files]
+    full = [s for f in files for s in load_feature_file(f)]
+    h = target_fp32.config.hidden_size
+    for k, layer in enumerate(LAYERS):
+        build_features(target_fp32, root / "data", root / "feats", [layer], batch_tokens=200, progress=False)
+        assert [f.stat().st_mtime_ns for f in files] == stamps  # reused, not recomputed
+        part = [s for f in files for s in load_feature_file(f, [layer])]
+        for a, b in zip(full, part, strict=True):
+            assert torch.equal(b.feats, a.feats[:, k * h:(k + 1) * h])
+    with pytest.raises(ValueError, match="side by side"):
+        load_feature_file(files[0], LAYERS[::-1])

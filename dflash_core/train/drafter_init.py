@@ -2,7 +2,8 @@
 
 `init`: "random" (small normal weights), "target-last" (copies of the target's last layers),
 "target:i,j" (copies of the target's layers i, j) or "from:DIR" (a warm start from an earlier
-drafter of the same shape, or a shallower one grown to the new depth: its fp32 `train_state.pt`
+drafter of the same shape, or a shallower one grown to the new depth, or one on fewer target
+layers widened to more (see `widen_fc`): its fp32 `train_state.pt`
 when DIR is a training run, else its checkpoint); `fc_init` "mean" starts `fc` as the mean of
 the concatenated target layers instead of random. Which of these trains fastest is measured,
 not assumed: see the README's training section.
@@ -44,6 +45,10 @@ def warm_start(drafter: DFlashDrafter, folder: Path) -> None:
     src = load_drafter(folder)
     extra = len(drafter.layers) - len(src.layers)
     depth = {"num_hidden_layers", "layer_types", "max_window_layers"} if extra > 0 else set()
+    src_ctx, new_ctx = list(src.config.target_layer_ids), list(drafter.config.target_layer_ids)
+    wider = src_ctx != new_ctx and set(src_ctx) < set(new_ctx)
+    if wider:
+        depth.add("dflash_config.target_layer_ids")
     # The saved dtype is how the weights were exported, not the drafter's shape.
     have, want = ({k: v for k, v in _flat(c.to_dict()).items() if not k.endswith("dtype") and k not in depth}
                   for c in (src.config, drafter.config))
@@ -55,10 +60,24 @@ def warm_start(drafter: DFlashDrafter, folder: Path) -> None:
     run_state = folder / "train_state.pt"
     if run_state.is_file():  # fp32 master weights beat the bf16 export
         state = torch.load(run_state, map_location="cpu", weights_only=False)["model"]
+    if wider:
+        state = dict(state, **{"fc.weight": widen_fc(state["fc.weight"], src_ctx, new_ctx)})
     if extra > 0:
         grow(drafter, state, len(src.layers))
     else:
         drafter.load_state_dict(state)
+
+
+def widen_fc(weight: torch.Tensor, src_layers: list[int], new_layers: list[int]) -> torch.Tensor:
+    """`fc` for more target layers than a drafter was trained on: each old layer's columns move
+    to that layer's new place and the added layers' columns start at zero, so the wider drafter
+    computes exactly what the old one did until training finds a use for the new features."""
+    width = weight.shape[1] // len(src_layers)
+    out = weight.new_zeros((weight.shape[0], width * len(new_layers)))
+    for k, layer in enumerate(src_layers):
+        j = new_layers.index(layer)
+        out[:, j * width:(j + 1) * width] = weight[:, k * width:(k + 1) * width]
+    return out
 
 
 def grow(drafter: DFlashDrafter, state: dict[str, torch.Tensor], n_src: int) -> None:

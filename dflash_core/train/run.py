@@ -94,7 +94,7 @@ def attach_cached_features(target: Any, samples: list[Sample], folders: list[Pat
     by_id = {s.id: s for s in samples}
     for folder in folders:
         for f in build_features(target, folder, cache_dir(cache_root, folder), layer_ids, progress=progress):
-            for seq in load_feature_file(f):
+            for seq in load_feature_file(f, layer_ids):
                 s = by_id.get(seq.id)
                 if s is not None and s.feats is None and torch.equal(seq.ids, s.ids):
                     s.feats = seq.feats
