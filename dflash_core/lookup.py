@@ -102,16 +102,16 @@ def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_dept
     into it, lookup can then carry the rest). A chain's scores are its node's score times the
     guess's rates; chains run at most to block position `max_depth`.
     Returns the tree and the anchor's guess (n, tokens), which `rates.update` learns from."""
-    paths = [[tree.tokens[j] for j in tree.path_to(i)] for i in range(min(branches, len(tree)))]
-    scores = [[tree.scores[j] for j in tree.path_to(i)] for i in range(len(paths))]
-    anchor_guess = index.guess(max_depth)
-    if anchor_guess[1]:
-        tree = add_chain(tree, anchor_guess[1], rates.scores(*(anchor_guess[0], len(anchor_guess[1]))))
-    for path, path_scores in zip(paths, scores, strict=True):
+    nodes = [tree.path_to(i) for i in range(min(branches, len(tree)))]
+    paths = [([tree.tokens[j] for j in p], [tree.scores[j] for j in p]) for p in nodes]
+    anchor_n, anchor_tokens = index.guess(max_depth)
+    if anchor_tokens:
+        tree = add_chain(tree, anchor_tokens, rates.scores(anchor_n, len(anchor_tokens)))
+    for path, path_scores in paths:
         if len(path) >= max_depth:
             continue
         n, guess = index.guess(max_depth - len(path), path)
         if guess:
             below = [path_scores[-1] * r for r in rates.scores(n, len(guess))]
             tree = add_chain(tree, path + guess, path_scores + below)
-    return tree, anchor_guess
+    return tree, (anchor_n, anchor_tokens)

@@ -121,7 +121,6 @@ def build_features(target: Any, data: str | os.PathLike[str], out: str | os.Path
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    meta_want = _meta_for(layer_ids)
     shards = shard_paths(data)
     files = []
     bar = tqdm(shards, unit="shard", disable=not progress, mininterval=1 if sys.stderr.isatty() else 30)
@@ -132,7 +131,7 @@ def build_features(target: Any, data: str | os.PathLike[str], out: str | os.Path
         samples = read_shard(shard)
         if dest.is_file():
             meta = _meta(dest)
-            if meta.get("version") == meta_want["version"] and covers(meta, layer_ids) and meta.get(
+            if meta.get("version") == str(FEATURE_VERSION) and covers(meta, layer_ids) and meta.get(
                     "ids") == json.dumps([s["id"] for s in samples]):
                 continue
         seqs = [s["prompt_ids"] + s["response_ids"] for s in samples]
@@ -176,12 +175,16 @@ def map_safetensors(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tenso
     return out, meta
 
 
+def _run_start(have: list[int], layer_ids: list[int]) -> int | None:
+    """Where `layer_ids` start as a run of adjacent entries of `have`; None if they are not one."""
+    n = len(layer_ids)
+    return next((i for i in range(len(have) - n + 1) if have[i:i + n] == list(layer_ids)), None) if n else None
+
+
 def covers(meta: dict[str, str], layer_ids: list[int]) -> bool:
     """Whether a feature file holds `layer_ids` as a run of adjacent column blocks, so that they
     are a view of it (one cache of layers [1, 27, 29] serves drafters on [1, 27] or [27, 29])."""
-    have = json.loads(meta.get("layer_ids", "[]"))
-    n = len(layer_ids)
-    return any(have[i:i + n] == list(layer_ids) for i in range(len(have) - n + 1)) if n else False
+    return _run_start(json.loads(meta.get("layer_ids", "[]")), layer_ids) is not None
 
 
 def load_feature_file(path: str | os.PathLike[str], layer_ids: list[int] | None = None) -> list[Sequence]:
@@ -193,10 +196,10 @@ def load_feature_file(path: str | os.PathLike[str], layer_ids: list[int] | None 
     feats = t["features"]
     if layer_ids is not None:
         have = json.loads(meta["layer_ids"])
-        if not covers(meta, layer_ids):
+        start = _run_start(have, layer_ids)
+        if start is None:
             raise ValueError(f"{path} holds target layers {have}, not {list(layer_ids)} side by side")
         width = feats.shape[1] // len(have)
-        start = next(i for i in range(len(have)) if have[i:i + len(layer_ids)] == list(layer_ids))
         feats = feats.narrow(1, start * width, len(layer_ids) * width)
     return [Sequence(id=ids[k], ids=t["input_ids"][off[k]:off[k + 1]].long(), prompt_len=int(t["prompt_lens"][k]),
                      feats=feats[off[k]:off[k + 1]]) for k in range(len(ids))]
