@@ -122,7 +122,8 @@ def step_html(result: StepResult | None, session: Session) -> str:
         targets[col] = _cell(target_tok, TARGET, f"target {kind}")
         verdicts.append('<td class="verdict">bonus</td>' if kind == "bonus" else "<td></td>")
         if ev.tree_nodes is not None:
-            guesses = (f", {ev.lookup_nodes} of them prompt-lookup guesses (text that already occurred)"
+            guesses = (f", {ev.lookup_nodes} of them lookup guesses (text that already occurred, or that the "
+                       "target often writes)"
                        if ev.lookup_nodes else "")
             from_lookup = (f"; {ev.lookup_accepted} of the accepted tokens came from those guesses"
                            if ev.lookup_accepted else "")

@@ -59,7 +59,8 @@ every candidate says which branch to follow, and only the accepted branch is kep
 forward for the same pass size, and still lossless: every kept token is the target's own choice (or, when \
 sampling, its own draw). A tree block shows the branch the target walked. Trees also take *prompt-lookup* \
 guesses: after the last few committed tokens, whatever followed them the last time they occurred (code repeats \
-names, maths repeats numbers). They cost no model, and the target checks them in the same pass.
+names, maths repeats numbers), and, when the drafter ships an n-gram table of the target's own replies, what \
+the target most often wrote after the same tokens. They cost no model, and the target checks them in the same pass.
 """
 
 BEFORE_REPLY = "\n*Ask something in the Studio tab: this page then walks through your own reply, block by block.*\n"

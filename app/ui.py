@@ -223,7 +223,7 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
                                       interactive=drafter is not None,
                                       info="full: the target checks every draft; adaptive: only the prefix worth a "
                                            "pass on this machine; tree / tree-full: the drafter's likeliest "
-                                           "alternatives and prompt-lookup guesses too (1 denoising step); auto: "
+                                           "alternatives and lookup guesses too (1 denoising step); auto: "
                                            "on CPU tree when greedy, adaptive when sampling; full on GPU")
                     temperature = gr.Slider(0.0, 1.5, value=0.0, step=0.05, label="temperature", info="0 = greedy")
                     top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")

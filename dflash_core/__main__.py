@@ -57,7 +57,8 @@ def decoding_options(max_new_tokens: int) -> argparse.ArgumentParser:
                         "(default: on CPU tree when greedy, adaptive when sampling; full on GPU); trees need "
                         "--steps 1 and the lean forward")
     g.add_argument("--no-lookup", dest="lookup", action="store_false",
-                   help="trees: leave out prompt-lookup candidates (text that already occurred), drafter only")
+                   help="trees: leave out lookup candidates (prompt lookup and the drafter's n-gram table), "
+                        "drafter only")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P")
     g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")

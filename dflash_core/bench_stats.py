@@ -261,7 +261,8 @@ def legend(summary: dict[str, Any]) -> list[str]:
         "-full: the target verifies all B−1 drafts of every block (tau as published); -adaptive: only the prefix "
         "worth its measured cost on this machine (fewer tokens per forward, cheaper forwards; the same output); "
         "-tree-full: a tree of B−1 candidates per block (the drafter's likeliest alternatives too); -tree: as many "
-        "candidates as pay on this machine; -lookup: prompt-lookup guesses in the tree too",
+        "candidates as pay on this machine; -lookup: lookup guesses in the tree too (prompt lookup, and the "
+        "drafter's n-gram table where it ships one)",
         "bound = tau·t1/(t_verify+t_draft); achieved = speed-up vs plain / bound (below 100%: host overhead "
         "and prefill; above: the same overhead weighs more on plain's shorter steps)",
         f"exact = prompts whose token ids equal {base}'s" + (

@@ -24,7 +24,8 @@ class GenerationConfig:
     as many as pay on this machine, and "tree-full" a tree of B-1 candidates every block
     (dflash_core/draft_tree.py); "auto" is full on a GPU and, on a CPU, tree when greedy (where
     a tree pass can run) and adaptive when sampling (`verify_length.resolve_mode`). `lookup` adds
-    prompt-lookup guesses (text that already occurred) to a tree's candidates (lookup.py). The
+    prompt-lookup guesses (text that already occurred, lookup.py) to a tree's candidates, and the
+    drafter's n-gram table's guesses where it ships one (corpus.py). The
     output is the same either way; only the speed differs.
     """
 

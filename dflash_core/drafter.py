@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import DraftCache
+from .corpus import FILE_NAME as CORPUS_FILE
+from .corpus import CorpusNgrams, load_corpus
 from .errors import DFlashError
 from .fast_forward import PackingLinear
 
@@ -242,6 +244,7 @@ class DFlashDrafter(nn.Module):
         # the tokens the drafter was trained to predict makes the LM head, most of a CPU draft
         # step, several times cheaper; verification keeps the output exact either way.
         self.draft_vocab: torch.Tensor | None = None
+        self.corpus: CorpusNgrams | None = None  # the target's frequent continuations (corpus.py), if shipped
 
     @property
     def block_size(self) -> int:
@@ -346,6 +349,8 @@ class DFlashDrafter(nn.Module):
         save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
         if self.draft_vocab is not None:
             (folder / DRAFT_VOCAB_NAME).write_text(json.dumps(self.draft_vocab.tolist()) + "\n")
+        if self.corpus is not None:
+            self.corpus.save(folder)
 
 
 def init_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> DFlashDrafter:
@@ -360,7 +365,7 @@ def init_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> DF
 
 
 def _resolve(spec: str) -> Path:
-    """A local folder, or a hub id downloaded (config + weights only) to the HF cache."""
+    """A local folder, or a hub id downloaded (config, weights and our optional extras) to the HF cache."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
@@ -370,7 +375,8 @@ def _resolve(spec: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(spec, allow_patterns=[CONFIG_NAME, "*.safetensors"]))
+        wanted = [CONFIG_NAME, "*.safetensors", DRAFT_VOCAB_NAME, CORPUS_FILE]
+        return Path(snapshot_download(spec, allow_patterns=wanted))
     except Exception as e:
         raise DFlashError(f"drafter {spec!r} is not a local folder and could not be fetched from the "
                           f"Hugging Face hub ({type(e).__name__}: {e})") from None
@@ -413,6 +419,7 @@ def load_drafter(spec: str | os.PathLike[str], device: str | torch.device = "cpu
                           + "; ".join(wrong[:3]))
     drafter.load_state_dict(state, assign=True)
     drafter.draft_vocab = _load_draft_vocab(folder / DRAFT_VOCAB_NAME, cfg.vocab_size)
+    drafter.corpus = load_corpus(folder, cfg.vocab_size)
     return drafter.to(device=device, dtype=dtype).eval()
 
 

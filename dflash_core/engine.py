@@ -196,7 +196,7 @@ class Engine:
         out: list[int] = []
         state = _Tally(prompt_tokens=len(ids), prefill_s=prefill_s, t0=t0, warnings=warnings)
         kept, reason = stopper.commit(out, [first])
-        # Tree modes may add prompt-lookup guesses to the drafter's candidates (lookup.py).
+        # Tree modes may add lookup guesses to the drafter's candidates (lookup.py, corpus.py).
         ngrams = NgramIndex(ids + out) if tree_mode and cfg.lookup else None
         rates = LookupRates()
         yield self._event(0, len(ids), None, 0, first, kept, 0.0, prefill_s * 1e3, out)
@@ -237,7 +237,8 @@ class Engine:
                 tree = self._draft_tree(draft, tree_cap)
                 guess_n, guess = 0, []
                 if ngrams is not None:
-                    tree, (guess_n, guess) = with_lookup(tree, ngrams, rates, block - 1)
+                    tree, (guess_n, guess) = with_lookup(tree, ngrams, rates, block - 1,
+                                                          corpus=self.drafter.corpus)
                 tree = tree.prefix(tree_cap)
                 if cost is not None:  # as many candidates as pay for their share of the pass
                     draft_ms = (state.draft_s + time.perf_counter() - t1) * 1e3 / (state.blocks + 1)

@@ -18,6 +18,7 @@ scores only decide which candidates the target checks.
 
 from __future__ import annotations
 
+from .corpus import ORDER, CorpusNgrams
 from .draft_tree import DraftTree, add_chain
 
 MAX_NGRAM = 3
@@ -95,18 +96,24 @@ class LookupRates:
 
 
 def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_depth: int,
-                branches: int = BRANCHES) -> tuple[DraftTree, tuple[int, list[int]]]:
+                branches: int = BRANCHES, corpus: CorpusNgrams | None = None,
+                ) -> tuple[DraftTree, tuple[int, list[int]]]:
     """The drafter's `tree` with prompt-lookup chains merged in: one after the anchor, and one
     after each of the drafter's `branches` best nodes, as if that node's path were committed (when
     the drafter has the first tokens of a repeat right but the committed text does not yet reach
     into it, lookup can then carry the rest). A chain's scores are its node's score times the
-    guess's rates; chains run at most to block position `max_depth`.
+    guess's rates; chains run at most to block position `max_depth`. With a `corpus`
+    (corpus.py), its chains join at the same places.
     Returns the tree and the anchor's guess (n, tokens), which `rates.update` learns from."""
     nodes = [tree.path_to(i) for i in range(min(branches, len(tree)))]
     paths = [([tree.tokens[j] for j in p], [tree.scores[j] for j in p]) for p in nodes]
     anchor_n, anchor_tokens = index.guess(max_depth)
     if anchor_tokens:
         tree = add_chain(tree, anchor_tokens, rates.scores(anchor_n, len(anchor_tokens)))
+    if corpus is not None:
+        guess, scores = corpus.chain(index.ids, max_depth)
+        if guess:
+            tree = add_chain(tree, guess, scores)
     for path, path_scores in paths:
         if len(path) >= max_depth:
             continue
@@ -114,4 +121,8 @@ def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_dept
         if guess:
             below = [path_scores[-1] * r for r in rates.scores(n, len(guess))]
             tree = add_chain(tree, path + guess, path_scores + below)
+        if corpus is not None:
+            guess, below = corpus.chain([*index.ids[-ORDER:], *path], max_depth - len(path), path_scores[-1])
+            if guess:
+                tree = add_chain(tree, path + guess, path_scores + below)
     return tree, (anchor_n, anchor_tokens)

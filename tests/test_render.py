@@ -280,7 +280,7 @@ def test_drafts_past_the_verified_prefix_are_shown_as_not_verified() -> None:
 
 
 def test_tree_block_shows_the_walked_branch_and_its_pass() -> None:
-    """A tree block: the target checked 6 candidates (2 of them prompt-lookup guesses), walked 2
+    """A tree block: the target checked 6 candidates (2 of them lookup guesses), walked 2
     deep, and one of the accepted tokens was a guess."""
     from app import step
 
@@ -288,7 +288,7 @@ def test_tree_block_shows_the_walked_branch_and_its_pass() -> None:
     ev.tree_nodes, ev.lookup_nodes, ev.lookup_accepted = 6, 2, 1
     assert ev.pass_tokens == 7 and ev.rejected == [ev.draft[2]] and ev.unverified == [ev.draft[3]]
     markup = step.step_html(step.StepResult(events=[ev]), Session())
-    assert "a tree of 6 candidates" in markup and "2 of them prompt-lookup guesses" in markup
+    assert "a tree of 6 candidates" in markup and "2 of them lookup guesses" in markup
     assert "1 of the accepted tokens came from those guesses" in markup
     acc = charts.acceptance_figure(_stats([prefill("P"), ev]))
     assert list(next(t for t in acc.data if t.name == "verified").y) == [7]  # the whole tree's pass

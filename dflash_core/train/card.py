@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..corpus import FILE_NAME as CORPUS_FILE
+from ..corpus import load_corpus
 from ..drafter import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, load_drafter
 from ..errors import DFlashError
 from .run import REPORT_NAME
@@ -38,7 +40,8 @@ def _bench_rows(paths: list[Path]) -> list[str]:
     return rows
 
 
-def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] = ()) -> str:
+def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] = (),
+               corpus: dict[str, Any] | None = None) -> str:
     d, t, hw = report["data"], report["train"], report["hardware"]
     n_ans = d.get("answer_samples", 0)
     device = hw.get("gpu") or f"CPU ({hw.get('cpu_count')} cores, {hw.get('torch_threads')} torch threads)"
@@ -79,6 +82,12 @@ def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] =
         *(f"- command: `python -m dflash_core {' '.join(c[1:])}`" for c in report.get("commands", [report["command"]])),
         *(f"- {n}" for n in notes),
     ]
+    if corpus:
+        lines += ["", f"## n-gram table (`{CORPUS_FILE}`)",
+                  f"- {corpus['entries']} contexts of 1-{corpus['order']} tokens, each with the token the target wrote "
+                  f"most often next, from {corpus['sequences']} samples ({corpus['label_tokens']} labels) of "
+                  f"{', '.join(corpus.get('sources', []))}; its guesses join the draft trees beside prompt lookup "
+                  "(`dflash_core/corpus.py`). Not part of the z-lab format: other engines ignore it."]
     if "heldout" in report:
         h = report["heldout"]
         acc = h["acc"]
@@ -111,11 +120,12 @@ def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) 
         raise DFlashError(f"{run} has no {REPORT_NAME}: is it a finished `train` run?")
     load_drafter(run)  # refuse to ship a checkpoint that does not load
     dest.mkdir(parents=True, exist_ok=True)
-    for name in (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME):
+    for name in (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME, CORPUS_FILE):
         if (run / name).is_file():
             shutil.copyfile(run / name, dest / name)
     report = json.loads(report_path.read_text())
-    (dest / CARD_NAME).write_text(model_card(report, bench, notes))
+    table = load_corpus(dest)
+    (dest / CARD_NAME).write_text(model_card(report, bench, notes, table.meta if table else None))
     (dest / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return dest
 
