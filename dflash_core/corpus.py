@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import DFlashError
+
 FILE_NAME = "ngrams.npz"
 ORDER = 3  # longest context; 4 measured no better on held-out replies
 BITS = 21
@@ -116,9 +118,13 @@ def load_corpus(folder: str | os.PathLike[str], vocab_size: int | None = None) -
     path = Path(folder) / FILE_NAME
     if not path.is_file():
         return None
-    with np.load(path) as z:
-        meta = json.loads(str(z["meta"]))
-        table = CorpusNgrams(z["keys"], z["tokens"].astype(np.int32), z["scores"].astype(np.float32), meta)
+    try:
+        with np.load(path) as z:
+            meta = json.loads(str(z["meta"]))
+            table = CorpusNgrams(z["keys"], z["tokens"].astype(np.int32), z["scores"].astype(np.float32), meta)
+    except (OSError, ValueError, KeyError) as e:
+        raise DFlashError(f"{path} is not an n-gram table ({type(e).__name__}: {e}); rebuild it with "
+                          "python -m dflash_core.train.corpus or delete it") from None
     if vocab_size is not None and meta.get("vocab_size") != vocab_size:
         return None
     return table

@@ -7,6 +7,8 @@ now. Those guesses join the drafter's candidates in the tree (`draft_tree.add_ch
 checks both in the same pass. It costs no model: an index of n-grams, updated as tokens commit.
 The drafter's best few nodes get a guess too, read as if their tokens were committed
 (`with_lookup`): the drafter may see a repeat coming one token before the committed text does.
+A drafter that ships an n-gram table of the target's own text (corpus.py) adds its guesses at
+the same places.
 
 Each guessed token gets a score like a drafter candidate's, its estimated chance of being the
 target's next token given the ones before it were. The estimate is a per-reply running rate by

@@ -30,6 +30,7 @@ from dflash_core.corpus import (
 from dflash_core.draft_tree import grow_tree
 from dflash_core.drafter import DFlashDrafter, load_drafter
 from dflash_core.engine import Engine
+from dflash_core.errors import DFlashError
 from dflash_core.lookup import LookupRates, NgramIndex, with_lookup
 from dflash_core.targets import Target
 from dflash_core.train.corpus import main as corpus_main
@@ -122,6 +123,9 @@ def test_table_file_round_trip(tmp_path) -> None:
     np.testing.assert_allclose(again.scores, table.scores, rtol=1e-3)  # stored as float16
     assert load_corpus(tmp_path, vocab_size=13) is None  # another tokenizer's table is ignored
     assert load_corpus(tmp_path / "missing") is None
+    (tmp_path / FILE_NAME).write_bytes(b"not a table")
+    with pytest.raises(DFlashError, match="not an n-gram table"):
+        load_corpus(tmp_path)
 
 
 def test_bad_vocabulary_and_labels_are_refused() -> None:
