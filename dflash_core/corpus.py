@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,7 @@ class CorpusNgrams:
         """Up to `length` guessed tokens after `context`, each the table's choice after the ones
         before it, and their path scores (`score` times the product of the entries' scores);
         stops where the path score falls below `FLOOR`."""
-        ctx = list(context[len(context) - ORDER :])
+        ctx = list(context[-ORDER:])
         tokens: list[int] = []
         scores: list[float] = []
         for _ in range(length):
@@ -122,7 +123,7 @@ def load_corpus(folder: str | os.PathLike[str], vocab_size: int | None = None) -
         with np.load(path) as z:
             meta = json.loads(str(z["meta"]))
             table = CorpusNgrams(z["keys"], z["tokens"].astype(np.int32), z["scores"].astype(np.float32), meta)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
         raise DFlashError(f"{path} is not an n-gram table ({type(e).__name__}: {e}); rebuild it with "
                           "python -m dflash_core.train.corpus or delete it") from None
     if vocab_size is not None and meta.get("vocab_size") != vocab_size:
@@ -157,8 +158,13 @@ def build_corpus(pairs: Iterable[tuple[list[int], list[int], list[int]]], vocab_
                 continue
             all_keys.append(pack_array(seq[first - n : len(seq) - 1], n))
             all_labels.append(lab[first - off :])
-    keys = np.concatenate(all_keys) if all_keys else np.zeros(0, np.uint64)
-    labels_arr = np.concatenate(all_labels) if all_labels else np.zeros(0, np.int64)
+    info = {"vocab_size": vocab_size, "order": ORDER, "pseudo_count": PSEUDO_COUNT, "min_total": MIN_TOTAL,
+            "sequences": sequences, "label_tokens": labelled, **(meta or {})}
+    if not all_keys or not sum(len(k) for k in all_keys):
+        empty = np.zeros(0, np.uint64)
+        return CorpusNgrams(empty, np.zeros(0, np.int32), np.zeros(0, np.float32), {**info, "entries": 0})
+    keys = np.concatenate(all_keys)
+    labels_arr = np.concatenate(all_labels)
     order = np.lexsort((labels_arr, keys))
     keys, labels_arr = keys[order], labels_arr[order]
     # runs of equal (key, label) pairs -> their counts
@@ -171,14 +177,13 @@ def build_corpus(pairs: Iterable[tuple[list[int], list[int], list[int]]], vocab_
     new_key = np.ones(len(pair_keys), dtype=bool)
     new_key[1:] = pair_keys[1:] != pair_keys[:-1]
     key_starts = np.flatnonzero(new_key)
-    totals = np.add.reduceat(pair_counts, key_starts) if len(key_starts) else np.zeros(0, np.int64)
+    totals = np.add.reduceat(pair_counts, key_starts)
     group = np.cumsum(new_key) - 1
     best = np.lexsort((pair_labels, -pair_counts, group))  # within each key, highest count first
     first_of_group = best[np.flatnonzero(np.r_[True, group[best][1:] != group[best][:-1]])]
     top_counts = pair_counts[first_of_group]
     scores = top_counts / (totals + PSEUDO_COUNT)
     keep = (totals >= MIN_TOTAL) & (scores >= MIN_SCORE)
-    info = {"vocab_size": vocab_size, "order": ORDER, "pseudo_count": PSEUDO_COUNT, "min_total": MIN_TOTAL,
-            "sequences": sequences, "label_tokens": labelled, "entries": int(keep.sum()), **(meta or {})}
+    info["entries"] = int(keep.sum())
     return CorpusNgrams(pair_keys[key_starts][keep], pair_labels[first_of_group][keep].astype(np.int32),
                         scores[keep].astype(np.float32), info)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import finish
 from test_draft_tree import TreeRecordingEngine
-from test_sampling_distribution import chi_square_p, exact_distribution, sampled_counts, toy_engine  # noqa: F401
+from test_sampling_distribution import PROMPT, chi_square_p, exact_distribution, sampled_counts, toy_engine  # noqa: F401
 from test_verify_length import CPU_LIKE
 
 from dflash_core.config import GenerationConfig
@@ -123,9 +123,24 @@ def test_table_file_round_trip(tmp_path) -> None:
     np.testing.assert_allclose(again.scores, table.scores, rtol=1e-3)  # stored as float16
     assert load_corpus(tmp_path, vocab_size=13) is None  # another tokenizer's table is ignored
     assert load_corpus(tmp_path / "missing") is None
-    (tmp_path / FILE_NAME).write_bytes(b"not a table")
-    with pytest.raises(DFlashError, match="not an n-gram table"):
-        load_corpus(tmp_path)
+    good = (tmp_path / FILE_NAME).read_bytes()
+    for damaged in (b"not a table", good[: len(good) // 2]):
+        (tmp_path / FILE_NAME).write_bytes(damaged)
+        with pytest.raises(DFlashError, match="not an n-gram table"):
+            load_corpus(tmp_path)
+
+
+def test_empty_data_gives_an_empty_table() -> None:
+    for triples in ([], [([], [], [])], [([], [5], [5])] * 3):
+        table = build_corpus(triples, vocab_size=10)
+        assert len(table) == 0 and table.meta["entries"] == 0
+        assert table.chain([5], length=4) == ([], [])
+
+
+def test_two_token_context_is_used_whole() -> None:
+    table = build_corpus([([], [1, 2, 3], [1, 2, 3])] * 3 + [([], [7, 2, 4], [7, 2, 4])] * 5, vocab_size=10)
+    assert table.next_token([2])[0] == 4 and table.next_token([1, 2])[0] == 3
+    assert table.chain([1, 2], length=1)[0] == [3]
 
 
 def test_bad_vocabulary_and_labels_are_refused() -> None:
@@ -229,5 +244,7 @@ def test_corpus_guesses_keep_sampling_exact(toy_engine: Engine, monkeypatch: pyt
     texts = [[rng.randrange(3) for _ in range(30)] for _ in range(20)]
     monkeypatch.setattr(engine.drafter, "corpus", build_corpus([([], t, t) for t in texts], vocab_size=4))
     cfg = GenerationConfig(max_new_tokens=3, temperature=1.0, block_size=3, verify="tree")
+    events = list(engine.generate(PROMPT, cfg.with_(max_new_tokens=24)))
+    assert sum(ev.lookup_nodes or 0 for ev in events[1:-1]) > 0  # the table's guesses are in the trees
     counts, _ = sampled_counts(engine, cfg)
     assert chi_square_p(counts, exact_distribution(engine.target, cfg)) > 1e-3

@@ -84,8 +84,9 @@ def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] =
     ]
     if corpus:
         lines += ["", f"## n-gram table (`{CORPUS_FILE}`)",
-                  f"- {corpus['entries']} contexts of 1-{corpus['order']} tokens, each with the token the target wrote "
-                  f"most often next, from {corpus['sequences']} samples ({corpus['label_tokens']} labels) of "
+                  f"- {corpus.get('entries', '?')} contexts of 1-{corpus.get('order', '?')} tokens, each with "
+                  f"the token the target wrote most often next, from {corpus.get('sequences', '?')} samples "
+                  f"({corpus.get('label_tokens', '?')} labels) of "
                   f"{', '.join(corpus.get('sources', []))}; its guesses join the draft trees beside prompt lookup "
                   "(`dflash_core/corpus.py`). Not part of the z-lab format: other engines ignore it."]
     if "heldout" in report:
@@ -123,6 +124,8 @@ def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) 
     for name in (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME, CORPUS_FILE):
         if (run / name).is_file():
             shutil.copyfile(run / name, dest / name)
+        elif name == CORPUS_FILE:
+            (dest / name).unlink(missing_ok=True)  # an earlier export's table does not belong to this drafter
     report = json.loads(report_path.read_text())
     table = load_corpus(dest)
     (dest / CARD_NAME).write_text(model_card(report, bench, notes, table.meta if table else None))
