@@ -101,7 +101,7 @@ class CorpusNgrams:
             score *= hit[1]
             tokens.append(hit[0])
             scores.append(score)
-            ctx = [*ctx[1:], hit[0]] if len(ctx) == ORDER else [*ctx, hit[0]]
+            ctx = [*ctx, hit[0]][-ORDER:]
         return tokens, scores
 
     def save(self, folder: str | os.PathLike[str]) -> Path:

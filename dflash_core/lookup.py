@@ -108,23 +108,21 @@ def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_dept
     (corpus.py), its chains join at the same places.
     Returns the tree and the anchor's guess (n, tokens), which `rates.update` learns from."""
     nodes = [tree.path_to(i) for i in range(min(branches, len(tree)))]
-    paths = [([tree.tokens[j] for j in p], [tree.scores[j] for j in p]) for p in nodes]
-    anchor_n, anchor_tokens = index.guess(max_depth)
-    if anchor_tokens:
-        tree = add_chain(tree, anchor_tokens, rates.scores(anchor_n, len(anchor_tokens)))
-    if corpus is not None:
-        guess, scores = corpus.chain(index.ids, max_depth)
-        if guess:
-            tree = add_chain(tree, guess, scores)
-    for path, path_scores in paths:
-        if len(path) >= max_depth:
+    # the anchor (an empty path, certain) first, then the drafter's best nodes
+    starts = [([], [])] + [([tree.tokens[j] for j in p], [tree.scores[j] for j in p]) for p in nodes]
+    anchor_guess: tuple[int, list[int]] = (0, [])
+    for path, path_scores in starts:
+        room = max_depth - len(path)
+        if room <= 0:
             continue
-        n, guess = index.guess(max_depth - len(path), path)
+        above = path_scores[-1] if path_scores else 1.0
+        n, guess = index.guess(room, path)
+        if not path:
+            anchor_guess = (n, guess)
         if guess:
-            below = [path_scores[-1] * r for r in rates.scores(n, len(guess))]
-            tree = add_chain(tree, path + guess, path_scores + below)
+            tree = add_chain(tree, path + guess, path_scores + [above * r for r in rates.scores(n, len(guess))])
         if corpus is not None:
-            guess, below = corpus.chain([*index.ids[-ORDER:], *path], max_depth - len(path), path_scores[-1])
+            guess, below = corpus.chain([*index.ids[-ORDER:], *path], room, above)
             if guess:
                 tree = add_chain(tree, path + guess, path_scores + below)
-    return tree, (anchor_n, anchor_tokens)
+    return tree, anchor_guess

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from ..corpus import FILE_NAME as CORPUS_FILE
-from ..corpus import load_corpus
 from ..drafter import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, load_drafter
 from ..errors import DFlashError
 from .run import REPORT_NAME
@@ -119,7 +118,7 @@ def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) 
     report_path = run / REPORT_NAME
     if not report_path.is_file():
         raise DFlashError(f"{run} has no {REPORT_NAME}: is it a finished `train` run?")
-    load_drafter(run)  # refuse to ship a checkpoint that does not load
+    drafter = load_drafter(run)  # refuse to ship a checkpoint that does not load
     dest.mkdir(parents=True, exist_ok=True)
     for name in (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME, CORPUS_FILE):
         if (run / name).is_file():
@@ -127,7 +126,7 @@ def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) 
         elif name == CORPUS_FILE:
             (dest / name).unlink(missing_ok=True)  # an earlier export's table does not belong to this drafter
     report = json.loads(report_path.read_text())
-    table = load_corpus(dest)
+    table = drafter.corpus  # the run's table, as copied above
     (dest / CARD_NAME).write_text(model_card(report, bench, notes, table.meta if table else None))
     (dest / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return dest
