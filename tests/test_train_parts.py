@@ -198,3 +198,26 @@ def test_feature_cache_serves_adjacent_layer_subsets(feature_dir, target_fp32) -
             assert torch.equal(b.feats, a.feats[:, k * h:(k + 1) * h])
     with pytest.raises(ValueError, match="side by side"):
         load_feature_file(files[0], LAYERS[::-1])
+
+
+def test_data_folders_with_repeats(tmp_path: Path) -> None:
+    from dflash_core.errors import DFlashError
+    from dflash_core.train.run import Sample, parse_data_folders, repeat_samples
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    folders, repeats = parse_data_folders(f"{a}, {b}*3,")
+    assert folders == [a, b] and repeats == {b: 3}
+    assert parse_data_folders(f"{a}*1")[1] == {}
+    for bad in (f"{a}*0", f"{a}*x", f"{a}*"):
+        with pytest.raises(DFlashError, match="whole number"):
+            parse_data_folders(bad)
+    with pytest.raises(DFlashError, match="at least one folder"):
+        parse_data_folders(" , ")
+    for folder, ids in ((a, ["x", "y"]), (b, ["z"])):
+        folder.mkdir()
+        write_atomic(folder / "shard-00000.jsonl.gz", encode_shard(
+            [{"id": i, "prompt_ids": [1, 2], "response_ids": [3, 4], "temperature": 0.0} for i in ids]))
+    samples = [Sample(i, torch.tensor([1, 2, 3, 4]), 2) for i in ("x", "y", "z")]
+    out = repeat_samples(samples, repeats)
+    assert [s.id for s in out] == ["x", "y", "z", "z", "z"]
+    assert out[2] is out[3] is samples[2]  # the same sample: its cached features attach once

@@ -145,7 +145,12 @@ def iter_jsonl_prompts(path: str | os.PathLike[str]) -> Iterator[Prompt]:
 
 def iter_source(source: str) -> Iterator[Prompt]:
     """`sharegpt` (the vendored file's first turns), `sharegpt-later` (its later turns, with their
-    history), a ShareGPT-style .json, or a JSONL of prompts."""
+    history), `python-stdlib` or `pycode:DIR` (coding requests from documented Python functions,
+    see `code_prompts.py`), a ShareGPT-style .json, or a JSONL of prompts."""
+    if source == "python-stdlib" or source.startswith("pycode:"):
+        from .code_prompts import iter_code_prompts
+
+        return iter_code_prompts(None if source == "python-stdlib" else source.removeprefix("pycode:"))
     if source == "sharegpt":
         return iter_sharegpt()
     if source == "sharegpt-later":
@@ -487,7 +492,7 @@ def run_generate(args: argparse.Namespace) -> None:
                   shard_size=args.shard_size, max_new_tokens=args.max_new_tokens,
                   max_prompt_tokens=args.max_prompt_tokens, max_prompt_chars=args.max_prompt_chars,
                   sample_share=args.sample_share, t_min=args.t_min, t_max=args.t_max, seed=args.seed,
-                  decontaminate=not args.no_decontaminate)
+                  decontaminate=not args.no_decontaminate, from_end=args.from_end)
 
 
 def chat_ids(target: Any, p: Prompt, max_tokens: int) -> list[int] | None:
@@ -527,7 +532,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="regenerate replies with the target (resumable)")
     g.add_argument("--out", required=True)
-    g.add_argument("--source", default="sharegpt", help="sharegpt, a ShareGPT .json, or a JSONL of {prompt}")
+    g.add_argument("--source", default="sharegpt",
+                   help="sharegpt, sharegpt-later, python-stdlib, pycode:DIR, a ShareGPT .json, or a JSONL of {prompt}")
     g.add_argument("--target", default="embedded")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32")
@@ -543,6 +549,9 @@ def main(argv: Iterable[str] | None = None) -> None:
     g.add_argument("--t-max", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-decontaminate", action="store_true")
+    g.add_argument("--from-end", action="store_true",
+                   help="walk the shuffled prompts from the end: a second process filling another folder at the "
+                        "same time makes no duplicate prompts (train on both folders)")
     p = sub.add_parser("prompts", help="load and filter prompts, print the counts")
     p.add_argument("--source", default="sharegpt")
     p.add_argument("--seed", type=int, default=0)

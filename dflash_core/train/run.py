@@ -258,6 +258,36 @@ def save_checkpoint(out: Path, drafter: DFlashDrafter, opt: torch.optim.Optimize
     save_state(out / STATE_NAME, drafter, opt, sched, info)
 
 
+def parse_data_folders(spec: str) -> tuple[list[Path], dict[Path, int]]:
+    """`--data A,B*3`: the folders, and how many times per epoch a folder marked `*K` is drawn
+    (a small new folder, e.g. a new domain, would otherwise be a few percent of every batch)."""
+    folders: list[Path] = []
+    repeats: dict[Path, int] = {}
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        name, star, times = item.rpartition("*") if "*" in item else (item, "", "")
+        if star:
+            if not times.isdigit() or int(times) < 1:
+                raise DFlashError(f"--data {item!r}: the repeat after '*' must be a whole number >= 1")
+            if int(times) > 1:
+                repeats[Path(name)] = int(times)
+        folders.append(Path(name))
+    if not folders:
+        raise DFlashError("--data needs at least one folder")
+    return folders, repeats
+
+
+def repeat_samples(samples: list[Sample], repeats: dict[Path, int]) -> list[Sample]:
+    """`samples` with each sample whose id a repeated folder holds K times (the same object: its
+    features attach once). Held-out samples are not in `samples`, so they stay out."""
+    times: dict[str, int] = {}
+    for folder, k in repeats.items():
+        for s in iter_samples(folder) if folder.exists() else ():
+            times.setdefault(s["id"], k)
+    return [s for s in samples for _ in range(times.get(s.id, 1))]
+
+
 def prepare_data(args: argparse.Namespace, target: Any, folders: list[Path], on_cuda: bool,
                  progress: bool) -> tuple[list[Sample], list[Sample], list[Sample], dict[str, Any]]:
     """Optionally regenerate more replies (`--generate`, into the first folder or `--gen-out`, which
@@ -355,9 +385,7 @@ def run_train(args: argparse.Namespace) -> int:
     progress = not args.no_progress and dd.main
     say = print if dd.main else (lambda *a, **k: None)
     out.mkdir(parents=True, exist_ok=True)
-    folders = [Path(f) for f in args.data.split(",") if f]
-    if not folders:
-        raise DFlashError("--data needs at least one folder")
+    folders, repeats = parse_data_folders(args.data)
 
     target = load_target(args.target, device=device, dtype=args.dtype)
     for p in target.model.parameters():
@@ -368,6 +396,9 @@ def run_train(args: argparse.Namespace) -> int:
 
     # ----- (a) data: top-up, then the samples -----
     samples, held, train_samples, report["data"] = prepare_data(args, target, folders, on_cuda, progress)
+    if repeats:
+        train_samples = repeat_samples(train_samples, repeats)
+        report["data"]["repeats"] = {str(f): k for f, k in repeats.items()}
     say(f"[train] data: {len(samples)} samples ({report['data']['reply_tokens']} reply tokens), "
         f"{len(held)} held out", flush=True)
 
@@ -576,7 +607,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     d = p.add_argument_group("data")
     d.add_argument("--data", default="data/smollm2-sharegpt", metavar="DIR[,DIR...]",
-                   help="data folders (gzip JSONL shards); samples are deduplicated by id")
+                   help="data folders (gzip JSONL shards); samples are deduplicated by id. DIR*K draws a "
+                        "folder's samples K times per epoch")
     d.add_argument("--generate", type=int, default=0, metavar="N", help="first regenerate N more replies")
     d.add_argument("--gen-out", default="", metavar="DIR", help="where --generate writes (default: first --data)")
     d.add_argument("--gen-minutes", type=float, default=0.0, metavar="M", help="time box for --generate (0: none)")

@@ -1,0 +1,101 @@
+"""Coding requests built from Python source: "implement this function", for training data.
+
+ShareGPT's chats are mostly prose, and a drafter trained on them drafts code worse than prose
+(chain tau 1.40 on HumanEval against 1.67 on GSM8K with session 13's drafter). Any Python tree
+holds thousands of documented functions; each becomes one request whose prompt is the
+function's stub (signature and docstring, inside its class for a method) under one of a few
+phrasings, and whose `answer` is the function's own source (for `answers.py`). The target then
+writes its own implementation (`data.py generate --source python-stdlib`), which is what the
+drafter must learn to predict. The default tree, the Python standard library, is on every
+machine (offline) and PSF-licensed; `pycode:DIR` reads any other folder.
+
+The evaluation sets stay out as for every source: `data.load_prompts` drops any request whose
+text contains a HumanEval signature or docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import sysconfig
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+from .data import Prompt
+
+# Varied phrasings: the drafter should learn the target's code, not one request's wording.
+TEMPLATES = (
+    "Complete this Python function:\n```python\n{stub}\n```",
+    "Implement the following Python function.\n\n```python\n{stub}\n```",
+    "Write the body of this function:\n\n```python\n{stub}\n```",
+    "```python\n{stub}\n```\nFinish this function in Python and explain briefly how it works.",
+    "Here is a signature and a docstring. Write the implementation.\n```python\n{stub}\n```",
+)
+# Folders whose code is tests, demos or GUI glue rather than library functions.
+SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "ensurepip", "turtledemo", "tkinter",
+              "site-packages", "dist-packages", "__pycache__"}
+MIN_DOC_CHARS = 40
+MIN_STATEMENTS = 2  # the docstring and at least one statement: something to implement
+MAX_LINES = 60
+MAX_STUB_CHARS = 3000
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _documented(node: ast.AST) -> bool:
+    return (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_")
+            and len(node.body) >= MIN_STATEMENTS and (node.end_lineno or node.lineno) - node.lineno < MAX_LINES
+            and len(ast.get_docstring(node) or "") >= MIN_DOC_CHARS)
+
+
+def _stub_and_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef,
+                     cls: str | None) -> tuple[str, str]:
+    """(signature through docstring, whole function), dedented, wrapped in `class cls:` for a method.
+    Decorators are left out: `node.lineno` is the `def` line."""
+    doc_end = node.body[0].end_lineno or node.body[0].lineno
+    stub = textwrap.dedent("\n".join(lines[node.lineno - 1: doc_end]))
+    source = textwrap.dedent("\n".join(lines[node.lineno - 1: node.end_lineno]))
+    if cls is not None:
+        stub = f"class {cls}:\n" + textwrap.indent(stub, "    ")
+        source = f"class {cls}:\n" + textwrap.indent(source, "    ")
+    return stub, source
+
+
+def functions_in(path: Path, module: str) -> Iterator[tuple[str, str, str]]:
+    """(qualified name, stub, source) of the documented public functions and methods of one file."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        tree = ast.parse(text)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return  # not Python 3 source we can read: nothing to ask about
+    lines = text.splitlines()
+    for node in tree.body:
+        if _documented(node):
+            yield (f"{module}.{node.name}", *_stub_and_source(lines, node, None))  # type: ignore[arg-type]
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            for sub in node.body:
+                if _documented(sub):
+                    yield (f"{module}.{node.name}.{sub.name}",  # type: ignore[union-attr]
+                           *_stub_and_source(lines, sub, node.name))  # type: ignore[arg-type]
+
+
+def iter_code_prompts(root: str | Path | None = None) -> Iterator[Prompt]:
+    """One request per documented function under `root` (default: the standard library), in file
+    order; the phrasing is picked by a hash of the function's name, so it never changes."""
+    root = Path(root) if root is not None else stdlib_root()
+    if not root.is_dir():
+        raise FileNotFoundError(f"no folder of Python source at {root}")
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if any(part in SKIP_PARTS or part.startswith("test") for part in rel.parts):
+            continue
+        parts = rel.with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
+        for name, stub, source in functions_in(path, module):
+            if len(stub) > MAX_STUB_CHARS:
+                continue
+            pick = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "big") % len(TEMPLATES)
+            yield Prompt(f"py:{name}", TEMPLATES[pick].format(stub=stub), source)
