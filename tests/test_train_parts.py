@@ -202,7 +202,7 @@ def test_feature_cache_serves_adjacent_layer_subsets(feature_dir, target_fp32) -
 
 def test_data_folders_with_repeats(tmp_path: Path) -> None:
     from dflash_core.errors import DFlashError
-    from dflash_core.train.run import Sample, parse_data_folders, repeat_samples
+    from dflash_core.train.run import load_samples, parse_data_folders, repeat_samples
 
     a, b = tmp_path / "a", tmp_path / "b"
     folders, repeats = parse_data_folders(f"{a}, {b}*3,")
@@ -217,7 +217,7 @@ def test_data_folders_with_repeats(tmp_path: Path) -> None:
         folder.mkdir()
         write_atomic(folder / "shard-00000.jsonl.gz", encode_shard(
             [{"id": i, "prompt_ids": [1, 2], "response_ids": [3, 4], "temperature": 0.0} for i in ids]))
-    samples = [Sample(i, torch.tensor([1, 2, 3, 4]), 2) for i in ("x", "y", "z")]
+    samples = load_samples(folders)  # each sample knows the folder it came from
     out = repeat_samples(samples, repeats)
     assert [s.id for s in out] == ["x", "y", "z", "z", "z"]
     assert out[2] is out[3] is samples[2]  # the same sample: its cached features attach once

@@ -53,6 +53,7 @@ class Sample:
     prompt_len: int
     feats: torch.Tensor | None = None  # cached target features [L, F] (cache mode only)
     greedy: torch.Tensor | None = None  # [L] target's choices, for dataset answers (see answers.py)
+    folder: Path | None = None  # the data folder it was read from (`--data DIR*K` repeats by folder)
 
     @property
     def label_tokens(self) -> torch.Tensor:
@@ -84,7 +85,7 @@ def load_samples(folders: list[Path]) -> list[Sample]:
             if "greedy_ids" in s:
                 greedy = ids.clone()  # entries before the response are never read (anchors are in it)
                 greedy[len(s["prompt_ids"]):] = torch.tensor(s["greedy_ids"], dtype=torch.long)
-            out.append(Sample(s["id"], ids, len(s["prompt_ids"]), greedy=greedy))
+            out.append(Sample(s["id"], ids, len(s["prompt_ids"]), greedy=greedy, folder=folder))
     return out
 
 
@@ -279,13 +280,9 @@ def parse_data_folders(spec: str) -> tuple[list[Path], dict[Path, int]]:
 
 
 def repeat_samples(samples: list[Sample], repeats: dict[Path, int]) -> list[Sample]:
-    """`samples` with each sample whose id a repeated folder holds K times (the same object: its
+    """`samples` with each sample read from a repeated folder K times (the same object: its
     features attach once). Held-out samples are not in `samples`, so they stay out."""
-    times: dict[str, int] = {}
-    for folder, k in repeats.items():
-        for s in iter_samples(folder) if folder.exists() else ():
-            times.setdefault(s["id"], k)
-    return [s for s in samples for _ in range(times.get(s.id, 1))]
+    return [s for s in samples for _ in range(repeats.get(s.folder, 1) if s.folder is not None else 1)]
 
 
 def prepare_data(args: argparse.Namespace, target: Any, folders: list[Path], on_cuda: bool,
