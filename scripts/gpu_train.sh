@@ -63,7 +63,8 @@ LEFT=$(( BUDGET - ($(date +%s) - T0) ))
 read -r GEN_MIN TRAIN_MIN < <(py -c "left=$LEFT-90; g=max(0.5, 0.3*left/60); print(round(g, 2), round(max(1.0, left/60-g), 2))")
 echo "[gpu] ${LEFT} s left: ${GEN_MIN} min generation, ${TRAIN_MIN} min training"
 py -m dflash_core train --device cuda --dtype float32 \
-  --data runs/h200-data,runs/h200-answers,data/smollm2-sharegpt,data/smollm2-sharegpt-answers,data/smollm2-pycode,data/smollm2-pycode-b --gen-out runs/h200-data \
+  --data runs/h200-data,runs/h200-answers,data/smollm2-sharegpt,data/smollm2-sharegpt-answers,data/smollm2-pycode,data/smollm2-pycode-b,data/smollm2-pycode-c,data/smollm2-math \
+  --gen-out runs/h200-data \
   --generate 20000 --gen-minutes "$GEN_MIN" --gen-batch 256 --source .gpu/c/prompts.jsonl.gz --from-end \
   --steps 0 --max-minutes "$TRAIN_MIN" --batch-seqs 64 --anchors-per-seq 16 --lr 6e-4 --warmup 100 \
   --num-layers 2 --block-size 16 --init from:assets/drafter --log-every 50 --save-every 0 \

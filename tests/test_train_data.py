@@ -6,6 +6,7 @@ import gzip
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from dflash_core.train.data import (
@@ -147,3 +148,18 @@ def test_generate_cli_is_resumable(tmp_path: Path, target) -> None:
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["samples"] == 5 and len(manifest["shards"]) == 3
     assert not list(out.glob(".*tmp*"))
+
+
+def test_generate_skips_prompts_held_by_sibling_folders(tmp_path: Path, target) -> None:
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say the number {i}."}) + "\n" for i in range(5)))
+    common = ["--source", str(src), "--batch-size", "2", "--shard-size", "2", "--max-new-tokens", "2"]
+    main(["generate", "--out", str(tmp_path / "a"), *common, "--limit", "3"])
+    first = {s["id"] for s in iter_samples(tmp_path / "a")}
+    main(["generate", "--out", str(tmp_path / "b"), *common, "--skip-ids-in", str(tmp_path / "a")])
+    second = {s["id"] for s in iter_samples(tmp_path / "b")}
+    assert len(first) == 3 and second == {f"q{i}" for i in range(5)} - first
+    settings = json.loads((tmp_path / "b" / "manifest.json").read_text())["settings"]
+    assert settings["skip_ids_in"] == [str(tmp_path / "a")]
+    with pytest.raises(FileNotFoundError, match="no data shards"):  # a mistyped folder must not pass silently
+        main(["generate", "--out", str(tmp_path / "c"), *common, "--skip-ids-in", str(tmp_path / "typo")])

@@ -151,6 +151,13 @@ def iter_source(source: str) -> Iterator[Prompt]:
         from .code_prompts import iter_code_prompts
 
         return iter_code_prompts(None if source == "python-stdlib" else source.removeprefix("pycode:"))
+    if source == "synthetic-math" or source.startswith("synthetic-math:"):
+        from .math_prompts import iter_math_prompts
+
+        count = source.partition(":")[2] if ":" in source else "6000"
+        if not count.isdigit() or int(count) == 0:
+            raise ValueError(f"synthetic-math:N takes a positive number of prompts, not {count!r}")
+        return iter_math_prompts(int(count))
     if source == "sharegpt":
         return iter_sharegpt()
     if source == "sharegpt-later":
@@ -403,6 +410,7 @@ def generate_into(
     seed: int = 0,
     decontaminate: bool = True,
     from_end: bool = False,
+    skip_ids_in: Iterable[str | os.PathLike[str]] = (),
     deadline: float | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -411,6 +419,8 @@ def generate_into(
 
     `from_end` walks the shuffled prompts from the end: a second machine topping up a copy of a
     folder that another process fills from the start then makes no duplicate prompts.
+    `skip_ids_in` names sibling folders whose prompts are not made again here (a folder topping
+    up earlier ones from the same source); they do not count towards `limit`.
     The deadline is checked before each batch, using the last batch's time as the estimate, so
     a time-boxed run (a GPU lease) stops in time and keeps what it made.
     """
@@ -426,6 +436,12 @@ def generate_into(
         prompts.reverse()
     print(f"[data] prompts: {json.dumps(stats)} ({time.time() - t0:.0f}s)", flush=True)
     done = done_ids(out)
+    skip_ids_in = [Path(d) for d in skip_ids_in]
+    for d in skip_ids_in:  # a mistyped folder would silently make duplicates
+        if not shard_paths(d):
+            raise FileNotFoundError(f"--skip-ids-in {d}: no data shards there")
+    ours = {p.id for p in prompts}
+    elsewhere = (set().union(*(done_ids(d) for d in skip_ids_in)) & ours) - done
     shards = shard_paths(out)
     next_shard = int(shards[-1].name.split("-")[1].split(".")[0]) + 1 if shards else 0
     tok = target.tokenizer
@@ -434,12 +450,16 @@ def generate_into(
     settings = {"target": target.name, "source": source, "seed": seed, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "sample_share": sample_share,
                 "temperature_range": [t_min, t_max], "from_end": from_end,
+                "skip_ids_in": [str(d) for d in skip_ids_in],
                 "dtype": str(target.dtype).removeprefix("torch."), "device": str(target.device)}
     stats["too_many_tokens"] = 0
 
-    want = limit - len(done) if limit else len(prompts)
-    print(f"[data] {len(done)} samples already in {out}; generating up to {max(want, 0)} more", flush=True)
-    todo = iter(p for p in prompts if p.id not in done)
+    pending = [p for p in prompts if p.id not in done and p.id not in elsewhere]
+    want = limit - len(done) if limit else len(pending)
+    print(f"[data] {len(done)} samples already in {out}"
+          f"{f' ({len(elsewhere)} more in sibling folders, skipped)' if skip_ids_in else ''}; "
+          f"generating up to {max(want, 0)} more", flush=True)
+    todo = iter(pending)
     bar = tqdm(total=max(want, 0), unit="sample", dynamic_ncols=True, disable=not progress,
                mininterval=1 if sys.stderr.isatty() else 30)
     made, gen_tokens, t_start, last_batch_s = 0, 0, time.time(), 0.0
@@ -492,7 +512,7 @@ def run_generate(args: argparse.Namespace) -> None:
                   shard_size=args.shard_size, max_new_tokens=args.max_new_tokens,
                   max_prompt_tokens=args.max_prompt_tokens, max_prompt_chars=args.max_prompt_chars,
                   sample_share=args.sample_share, t_min=args.t_min, t_max=args.t_max, seed=args.seed,
-                  decontaminate=not args.no_decontaminate, from_end=args.from_end)
+                  decontaminate=not args.no_decontaminate, from_end=args.from_end, skip_ids_in=args.skip_ids_in)
 
 
 def chat_ids(target: Any, p: Prompt, max_tokens: int) -> list[int] | None:
@@ -533,7 +553,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     g = sub.add_parser("generate", help="regenerate replies with the target (resumable)")
     g.add_argument("--out", required=True)
     g.add_argument("--source", default="sharegpt",
-                   help="sharegpt, sharegpt-later, python-stdlib, pycode:DIR, a ShareGPT .json, or a JSONL of {prompt}")
+                   help="sharegpt, sharegpt-later, python-stdlib, pycode:DIR, synthetic-math[:N] (N word problems, "
+                        "the same ones whatever --seed: it only orders them), a ShareGPT .json, or a JSONL of {prompt}")
     g.add_argument("--target", default="embedded")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32")
@@ -553,6 +574,9 @@ def main(argv: Iterable[str] | None = None) -> None:
                    help="walk the shuffled prompts from the end: a second process filling another folder at the "
                         "same time makes no duplicate prompts until the two walks meet (stop both before; train "
                         "on both folders)")
+    g.add_argument("--skip-ids-in", action="append", default=[], metavar="DIR",
+                   help="skip prompts whose replies another folder already holds (repeatable): top up earlier "
+                        "folders from the same source without duplicates")
     p = sub.add_parser("prompts", help="load and filter prompts, print the counts")
     p.add_argument("--source", default="sharegpt", help="as for generate")
     p.add_argument("--seed", type=int, default=0)
