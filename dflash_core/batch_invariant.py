@@ -57,12 +57,12 @@ def amx_bf16_available() -> bool:
 
 
 def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 [out, in] weight reordered once into oneDNN's layout (for `onednn_linear`)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), 16)
+    """A bf16 or fp32 [out, in] weight reordered once into oneDNN's layout (for `onednn_linear`)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] (bf16) times a weight laid out by `onednn_weight`."""
+    """x [rows, in] (the weight's dtype) times a weight laid out by `onednn_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -76,8 +76,8 @@ class InvariantLinear:
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> InvariantLinear:
-        w = weight.detach().to(torch.bfloat16).contiguous()
-        b = None if bias is None else bias.detach().to(torch.bfloat16)
+        w = weight.detach().contiguous()
+        b = None if bias is None else bias.detach().to(w.dtype)
         return cls(w, b, onednn_weight(w))
 
     @classmethod

@@ -176,7 +176,8 @@ class Target:
             reason = unsupported_reason(self.model)
             if reason is None:
                 self.fast_path = FastForward(self.model)
-                packed = ", MKL-packed weights" if self.fast_path.packed else ""
+                by = self.fast_path.packed_by
+                packed = f", {by}-{'reordered' if by == 'oneDNN' else 'packed'} weights" if by else ""
                 self._forward_note = f"lean forward{packed}"
                 if self.fast_path.invariant:
                     self._forward_note = "lean forward, batch-invariant bf16 (oneDNN, AMX)"

@@ -30,10 +30,17 @@ from dflash_core.fast_forward import (
     Linear,
     PackingLinear,
     mkl_packing_works,
+    onednn_fp32_works,
+    pack_weight,
     unsupported_reason,
 )
 from dflash_core.targets import Target
 from tests.conftest import finish
+
+
+def packing_works() -> bool:
+    """fp32 weights get laid out once here: for oneDNN, or packed for MKL."""
+    return onednn_fp32_works() or mkl_packing_works()
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -107,8 +114,8 @@ def assert_same(ref: list, got: list) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("pack", [False, True])
 def test_tiny_models_match_transformers(kind: str, pack: bool) -> None:
-    if pack and not mkl_packing_works():
-        pytest.skip("no MKL packed GEMM on this machine")
+    if pack and not packing_works():
+        pytest.skip("no packed fp32 GEMM on this machine")
     model = tiny(kind)
     assert unsupported_reason(model) is None
     ref = wrap(model, fast=False)
@@ -123,7 +130,7 @@ def test_long_context_and_mixed_paths_on_one_cache(kind: str) -> None:
     with many rows), and the lean and transformers paths taking turns on one cache."""
     model = tiny(kind)
     ref = wrap(model, fast=False)
-    lean = lean_target(model, pack=mkl_packing_works())
+    lean = lean_target(model, pack=packing_works())
     assert_same(passes(ref, [1], prefill=300), passes(lean, [1], prefill=300))
     assert_same(passes(ref, [1], prefill=300), passes(lean, [1], prefill=300, other=ref))
 
@@ -134,20 +141,46 @@ def test_bf16_target_stays_close_to_transformers_bf16() -> None:
                  fast=False)
     lean = Target(model=model, tokenizer=None, name="tiny", device=torch.device("cpu"), dtype=torch.bfloat16,
                   fast=True)
-    assert lean.fast_path is not None and not lean.fast_path.packed  # MKL packing is fp32 only
+    assert lean.fast_path is not None and not lean.fast_path.packed  # packing is fp32 only
     for (a, _), (b, _) in zip(passes(ref, [1]), passes(lean, [1]), strict=True):
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
 
 
-def test_packed_linear_matches_f_linear_for_every_row_count() -> None:
-    if not mkl_packing_works():
-        pytest.skip("no MKL packed GEMM on this machine")
+@pytest.mark.parametrize("library", ["MKL", "oneDNN"])
+def test_packed_linear_matches_f_linear_for_every_row_count(library: str) -> None:
+    if not (mkl_packing_works() if library == "MKL" else onednn_fp32_works()):
+        pytest.skip(f"no packed {library} GEMM on this machine")
     torch.manual_seed(0)
     w, b = torch.randn(300, 128), torch.randn(300)
-    packed = Linear(w, b, torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT))
+    layout = (torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT) if library == "MKL"
+              else torch.ops.mkldnn._reorder_linear_weight(w, 16))
+    packed = Linear(w, b, layout)
     for m in [1, 2, 3, 5, 8, 15, 16, 17, 64]:
         x = torch.randn(m, 128)
         torch.testing.assert_close(packed(x), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+def test_onednn_fp32_gives_a_row_the_same_bits_in_any_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN's fp32 GEMM is chosen, a token's row does not depend on how many rows share
+    the pass (verify blocks against plain steps), and DFLASH_ONEDNN_FP32=0 goes back to MKL."""
+    if not onednn_fp32_works():
+        pytest.skip("oneDNN's fp32 GEMM is not used on this machine")
+    torch.manual_seed(1)
+    w, b = torch.randn(576, 1536), torch.randn(576)  # SmolLM2's down projection
+    lin = Linear(w, b, pack_weight(w))
+    assert lin.packed is not None and lin.packed.shape == w.shape  # oneDNN's layout
+    x = torch.randn(32, 1536)
+    alone = torch.cat([lin(x[i : i + 1]) for i in range(32)])
+    for m in (2, 4, 5, 16, 31, 32):
+        assert torch.equal(lin(x[:m]), alone[:m]), m
+    onednn_fp32_works.cache_clear()
+    monkeypatch.setenv("DFLASH_ONEDNN_FP32", "0")
+    try:
+        assert not onednn_fp32_works()
+        other = pack_weight(w)
+        assert other is None or other.shape != w.shape  # MKL's packed buffer, where MKL packs
+    finally:
+        onednn_fp32_works.cache_clear()
 
 
 def test_unsupported_models_fall_back_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,7 +233,8 @@ def test_embedded_target_takes_the_lean_path_and_decodes_the_same(target_fp32: T
     need to avoid; test_batch_invariant.py checks those)."""
     target = target_fp32
     assert target.fast_path is not None, target.fast_path_note
-    assert target.fast_path.packed == mkl_packing_works()
+    assert target.fast_path.packed == packing_works()
+    assert target.fast_path.packed_by == ("oneDNN" if onednn_fp32_works() else "MKL" if mkl_packing_works() else None)
     hf = Target(model=target.model, tokenizer=target.tokenizer, name=target.name, device=target.device,
                 dtype=target.dtype, fast=False)
     prompts = ["Write a Python function that reverses a list.",
@@ -212,7 +246,9 @@ def test_embedded_target_takes_the_lean_path_and_decodes_the_same(target_fp32: T
         ids = torch.tensor([target.encode_chat(messages)])
         a, _ = hf.forward(ids, hf.new_cache(ids.shape[1]), [1, 27])
         b, _ = target.forward(ids, target.new_cache(ids.shape[1]), [1, 27])
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        # 30 layers of fp32 GEMMs from two libraries (oneDNN here, MKL in transformers' path)
+        # drift apart by ~1e-4 in logits of magnitude ~10; the tokens below must still agree.
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-3)
         lean_out = finish(Engine(target, None).generate(messages, cfg, plain=True)).token_ids
         hf_out = finish(Engine(hf, None).generate(messages, cfg, plain=True)).token_ids
         assert len(lean_out) >= 10
@@ -224,10 +260,10 @@ def test_packing_linear_tracks_its_weight_and_trains_like_nn_linear() -> None:
     weight in place (training evaluates the live drafter), plain autograd while training."""
     torch.manual_seed(0)
     layer = PackingLinear(32, 48, bias=True)
-    x = torch.randn(2, 8, 32)  # 16 rows: the packed path when MKL packing works
+    x = torch.randn(2, 8, 32)  # 16 rows: the packed path where fp32 packing works
     with torch.inference_mode():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-4, atol=1e-4)
-        assert (layer._packed is not None) == mkl_packing_works()
+        assert (layer._packed[1] is not None) == packing_works()
     opt = torch.optim.SGD(layer.parameters(), lr=0.5)
     loss = layer(x).square().mean()
     loss.backward()  # autograd through the plain path
