@@ -76,8 +76,8 @@ class InvariantLinear:
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> InvariantLinear:
-        w = weight.detach().contiguous()
-        b = None if bias is None else bias.detach().to(w.dtype)
+        w = weight.detach().to(torch.bfloat16).contiguous()
+        b = None if bias is None else bias.detach().to(torch.bfloat16)
         return cls(w, b, onednn_weight(w))
 
     @classmethod
