@@ -23,7 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflash_core import Engine, GenerationConfig
+from dflash_core import Engine, GenerationConfig, batch_invariant
 from dflash_core.fast_forward import (
     PACK_BATCH_HINT,
     FastForward,
@@ -153,7 +153,7 @@ def test_packed_linear_matches_f_linear_for_every_row_count(library: str) -> Non
     torch.manual_seed(0)
     w, b = torch.randn(300, 128), torch.randn(300)
     layout = (torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT) if library == "MKL"
-              else torch.ops.mkldnn._reorder_linear_weight(w, 16))
+              else batch_invariant.onednn_weight(w))
     packed = Linear(w, b, layout)
     for m in [1, 2, 3, 5, 8, 15, 16, 17, 64]:
         x = torch.randn(m, 128)
