@@ -418,12 +418,12 @@ def load_drafter(spec: str | os.PathLike[str], device: str | torch.device = "cpu
         raise DFlashError(f"drafter weights in {folder} have the wrong shape for its config.json: "
                           + "; ".join(wrong[:3]))
     drafter.load_state_dict(state, assign=True)
-    drafter.draft_vocab = _load_draft_vocab(folder / DRAFT_VOCAB_NAME, cfg.vocab_size)
+    drafter.draft_vocab = load_draft_vocab(folder / DRAFT_VOCAB_NAME, cfg.vocab_size)
     drafter.corpus = load_corpus(folder, cfg.vocab_size)
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def _load_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
+def load_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
     if not path.is_file():
         return None
     try:

@@ -179,6 +179,8 @@ def test_head_subset_is_the_full_head_restricted(target_fp32) -> None:
     counts.index_add_(0, torch.cat(seqs), torch.ones(73))
     head = HeadSubset(counts, 30)  # fewer than the ~60 distinct tokens: some labels fall outside
     assert torch.equal(HeadSubset.from_replies(seqs, target_fp32.vocab_size, 30).keep, head.keep)
+    given = HeadSubset.from_tokens(head.keep[:10], seqs, target_fp32.vocab_size)
+    assert torch.equal(given.keep, head.keep[:10]) and 0 < given.coverage < head.coverage
     assert head.keep.shape[0] == 30 and 0 < head.coverage < 1
     assert counts[head.keep].min() >= counts[counts > 0].sort(descending=True).values[29]
     full = batch_forward(drafter, target_fp32, batch, feats)
@@ -216,3 +218,30 @@ def test_bf16_autocast_step_follows_fp32(target_fp32, monkeypatch) -> None:
     for fast in (False, True):
         monkeypatch.setattr(train_run, "cpu_has_fast_bf16", lambda fast=fast: fast)
         assert train_run.train_autocast("auto", "cpu") == (torch.bfloat16 if fast else None)
+
+
+def test_keep_draft_vocab_trains_against_the_warm_start_vocabulary(trained: Path) -> None:
+    """A warm start keeps its draft vocabulary with --keep-draft-vocab (fine-tuning on a narrow
+    slice of data would otherwise recount it), including tokens this run's data never uses."""
+    import shutil
+
+    from dflash_core.train.card import main as card_main
+
+    warm = trained / "warm"
+    shutil.copytree(trained / "run", warm)
+    had = json.loads((warm / "draft_vocab.json").read_text())
+    vocab = sorted(set(had[: len(had) // 2]) | {5, 6, 7})  # half the replies' tokens, plus unused ones
+    (warm / "draft_vocab.json").write_text(json.dumps(vocab))
+    out = trained / "kept"
+    assert main(["train", "--data", str(trained / "data"), "--out", str(out), "--steps", "2",
+                 "--init", f"from:{warm}", "--keep-draft-vocab", *TRAIN_FLAGS, "--eval-prompts", "none"]) == 0
+    assert json.loads((out / "draft_vocab.json").read_text()) == vocab
+    assert torch.equal(load_drafter(out).draft_vocab, torch.tensor(vocab))
+    tv = json.loads((out / "train_report.json").read_text())["train_vocab"]
+    assert tv["size"] == len(vocab) and tv["source"] == str(warm) and 0 < tv["coverage"] < 1
+    assert card_main([str(out), "--to", str(trained / "kept-shipped")]) == 0
+    assert f"`{warm}`'s draft vocabulary" in (trained / "kept-shipped" / "MODEL_CARD.md").read_text()
+    # Without a warm start there is no vocabulary to keep: refused, naming the flag.
+    with pytest.raises(SystemExit, match="--keep-draft-vocab needs --init from:DIR"):
+        main(["train", "--data", str(trained / "data"), "--out", str(trained / "kept2"), "--steps", "2",
+              "--keep-draft-vocab", *TRAIN_FLAGS, "--eval-prompts", "none"])

@@ -139,6 +139,13 @@ class BatchOutput:
         return hits.cpu(), counts.cpu()
 
 
+def token_counts(replies: list[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size)
+    for r in replies:
+        counts.index_add_(0, r, torch.ones(r.shape[0]))
+    return counts
+
+
 class HeadSubset:
     """The `size` most frequent reply tokens: a training-only LM head over a vocabulary subset.
 
@@ -160,10 +167,18 @@ class HeadSubset:
     @classmethod
     def from_replies(cls, replies: list[torch.Tensor], vocab_size: int, size: int) -> HeadSubset:
         """The `size` most frequent tokens of these replies (token id tensors)."""
-        counts = torch.zeros(vocab_size)
-        for r in replies:
-            counts.index_add_(0, r, torch.ones(r.shape[0]))
-        return cls(counts, size)
+        return cls(token_counts(replies, vocab_size), size)
+
+    @classmethod
+    def from_tokens(cls, keep: torch.Tensor, replies: list[torch.Tensor], vocab_size: int) -> HeadSubset:
+        """A given subset (e.g. a warm start's draft vocabulary), its coverage counted on these replies."""
+        counts = token_counts(replies, vocab_size)
+        # Ranked above every other token, the subset is exactly what the constructor keeps.
+        boosted = counts.clone()
+        boosted[keep] += counts.sum() + 1
+        head = cls(boosted, int(keep.numel()))
+        head.coverage = float(counts[head.keep].sum() / counts.sum().clamp_min(1))
+        return head
 
     def logits(self, target: Any, hidden: torch.Tensor) -> torch.Tensor:
         # The head is frozen: gather its kept rows once, not on every step.

@@ -75,7 +75,9 @@ def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] =
     ]
     if "train_vocab" in report:
         tv = report["train_vocab"]
-        lines.append(f"- training head: the {tv['size']} most frequent reply tokens "
+        kind = (f"the {tv['size']} tokens of `{tv['source']}`'s draft vocabulary" if "source" in tv
+                and tv["source"] != "most frequent reply tokens" else f"the {tv['size']} most frequent reply tokens")
+        lines.append(f"- training head: {kind} "
                      f"({tv['coverage']:.2%} of reply tokens); the drafter drafts from the same tokens "
                      f"(`{DRAFT_VOCAB_NAME}`; engines that ignore it draft over the full vocabulary, and "
                      "verification keeps the output exact either way)")

@@ -316,6 +316,17 @@ def prepare_data(args: argparse.Namespace, target: Any, folders: list[Path], on_
     return samples, held, train_samples, data
 
 
+def warm_start_vocab(init: str, vocab_size: int) -> torch.Tensor:
+    """The draft vocabulary of the `--init from:DIR` drafter (for `--keep-draft-vocab`)."""
+    from ..drafter import DRAFT_VOCAB_NAME, load_draft_vocab
+
+    path = Path(init.removeprefix("from:")) / DRAFT_VOCAB_NAME
+    keep = load_draft_vocab(path, vocab_size) if init.startswith("from:") and path.is_file() else None
+    if keep is None:
+        raise SystemExit(f"--keep-draft-vocab needs --init from:DIR with a {DRAFT_VOCAB_NAME} in DIR (got {init!r})")
+    return keep
+
+
 def make_drafter(args: argparse.Namespace, target: Any, out: Path,
                  say: Any) -> tuple[DFlashDrafter, list[int], dict[str, Any] | None]:
     """The drafter to train: resumed from `out` (`--resume`; its shape wins over the flags) or
@@ -417,12 +428,18 @@ def run_train(args: argparse.Namespace) -> int:
         report["feature_cache_s"] = round(time.time() - t0, 1)
     head = None
     train_vocab = args.train_vocab if args.train_vocab >= 0 else (0 if on_cuda else 8192)
-    if train_vocab:
+    if args.keep_draft_vocab:
+        keep = warm_start_vocab(args.init, target.vocab_size)
+        head = HeadSubset.from_tokens(keep, [s.label_tokens for s in train_samples], target.vocab_size)
+    elif train_vocab:
         head = HeadSubset.from_replies([s.label_tokens for s in train_samples], target.vocab_size, train_vocab)
+    if head is not None:
         drafter.draft_vocab = head.keep.clone()  # saved with the checkpoint: inference drafts from it too
-        report["train_vocab"] = {"size": int(head.keep.shape[0]), "coverage": round(head.coverage, 5)}
-        say(f"[train] training head: {head.keep.shape[0]} most frequent tokens "
-              f"({head.coverage:.2%} of reply tokens)", flush=True)
+        source = args.init.removeprefix("from:") if args.keep_draft_vocab else "most frequent reply tokens"
+        report["train_vocab"] = {"size": int(head.keep.shape[0]), "coverage": round(head.coverage, 5),
+                                 "source": source}
+        say(f"[train] training head: {head.keep.shape[0]} tokens ({source}; {head.coverage:.2%} of reply tokens)",
+            flush=True)
     if held_eval:
         report["bigram_acc1"] = round(bigram_accuracy(train_samples, held_eval), 4)
 
@@ -634,6 +651,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--train-vocab", type=int, default=-1, metavar="K",
                    help="train against the K most frequent reply tokens only (a cheaper LM head; evaluation "
                         "and the checkpoint use the full vocabulary). -1: 8192 on CPU, full on CUDA; 0: full")
+    t.add_argument("--keep-draft-vocab", action="store_true",
+                   help="with --init from:DIR, train against (and ship) that drafter's draft vocabulary instead "
+                        "of this run's most frequent tokens: fine-tuning on a narrow slice of data would narrow it")
     t.add_argument("--partial-mask", type=float, default=0.0, metavar="R",
                    help="partial masking for multi-step denoising: each block shows a random share (up to R) "
                         "of its positions as true tokens, without loss on them (0: off, the paper's 1-step setup)")
