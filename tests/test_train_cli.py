@@ -220,18 +220,21 @@ def test_bf16_autocast_step_follows_fp32(target_fp32, monkeypatch) -> None:
         assert train_run.train_autocast("auto", "cpu") == (torch.bfloat16 if fast else None)
 
 
-def test_keep_draft_vocab_trains_against_the_warm_start_vocabulary(trained: Path) -> None:
+def test_keep_draft_vocab_trains_against_the_warm_start_vocabulary(trained: Path, capsys) -> None:
     """A warm start keeps its draft vocabulary with --keep-draft-vocab (fine-tuning on a narrow
     slice of data would otherwise recount it), including tokens this run's data never uses."""
     import shutil
 
     from dflash_core.train.card import main as card_main
+    from dflash_core.train.corpus import main as corpus_main
 
     warm = trained / "warm"
     shutil.copytree(trained / "run", warm)
     had = json.loads((warm / "draft_vocab.json").read_text())
     vocab = sorted(set(had[: len(had) // 2]) | {5, 6, 7})  # half the replies' tokens, plus unused ones
     (warm / "draft_vocab.json").write_text(json.dumps(vocab))
+    assert corpus_main(["--data", str(trained / "data"), "--out", str(warm), "--no-progress"]) == 0
+    table = (warm / "ngrams.npz").read_bytes()
     out = trained / "kept"
     assert main(["train", "--data", str(trained / "data"), "--out", str(out), "--steps", "2",
                  "--init", f"from:{warm}", "--keep-draft-vocab", *TRAIN_FLAGS, "--eval-prompts", "none"]) == 0
@@ -239,8 +242,18 @@ def test_keep_draft_vocab_trains_against_the_warm_start_vocabulary(trained: Path
     assert torch.equal(load_drafter(out).draft_vocab, torch.tensor(vocab))
     tv = json.loads((out / "train_report.json").read_text())["train_vocab"]
     assert tv["size"] == len(vocab) and tv["source"] == str(warm) and 0 < tv["coverage"] < 1
-    assert card_main([str(out), "--to", str(trained / "kept-shipped")]) == 0
-    assert f"`{warm}`'s draft vocabulary" in (trained / "kept-shipped" / "MODEL_CARD.md").read_text()
+    # The warm start's n-gram table (the target's statistics) travels with the run and is shipped.
+    assert (out / "ngrams.npz").read_bytes() == table
+    assert json.loads((out / "train_report.json").read_text())["ngrams"] == f"copied from {warm / 'ngrams.npz'}"
+    shipped = trained / "kept-shipped"
+    assert card_main([str(out), "--to", str(shipped)]) == 0
+    assert f"`{warm}`'s draft vocabulary" in (shipped / "MODEL_CARD.md").read_text()
+    assert (shipped / "ngrams.npz").read_bytes() == table and load_drafter(shipped).corpus is not None
+    # Shipping a run without a table over that folder removes the stale one, and says so.
+    (out / "ngrams.npz").unlink()
+    assert card_main([str(out), "--to", str(shipped)]) == 0
+    assert not (shipped / "ngrams.npz").exists()
+    assert "has no ngrams.npz" in capsys.readouterr().err
     # Without a warm start there is no vocabulary to keep: refused, naming the flag.
     with pytest.raises(SystemExit, match="--keep-draft-vocab needs --init from:DIR"):
         main(["train", "--data", str(trained / "data"), "--out", str(trained / "kept2"), "--steps", "2",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,13 @@ def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) 
     for name in (CONFIG_NAME, WEIGHTS_NAME, DRAFT_VOCAB_NAME, CORPUS_FILE):
         if (run / name).is_file():
             shutil.copyfile(run / name, dest / name)
-        elif name == CORPUS_FILE:
-            (dest / name).unlink(missing_ok=True)  # an earlier export's table does not belong to this drafter
+        elif name == CORPUS_FILE and (dest / name).is_file():
+            # The run has no table of its own (a fresh run without `train.corpus`); an earlier
+            # export's may come from other data, so it goes, loudly: tree verification loses its
+            # corpus guesses until `python -m dflash_core.train.corpus --out` rebuilds one.
+            (dest / name).unlink()
+            print(f"warning: {run} has no {CORPUS_FILE}; removed the one in {dest} "
+                  "(rebuild it with python -m dflash_core.train.corpus)", file=sys.stderr)
     report = json.loads(report_path.read_text())
     table = drafter.corpus  # the run's table, as copied above
     (dest / CARD_NAME).write_text(model_card(report, bench, notes, table.meta if table else None))

@@ -24,6 +24,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..corpus import FILE_NAME as CORPUS_FILE
 from ..drafter import CONFIG_NAME, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from ..errors import DFlashError
 from .batch import HeadSubset, PaddedBatch, batch_forward, cached_features, collate, context_features
@@ -327,6 +329,18 @@ def warm_start_vocab(init: str, vocab_size: int) -> torch.Tensor:
     return keep
 
 
+def carry_corpus(init: str, out: Path) -> Path | None:
+    """Copy the `--init from:DIR` drafter's n-gram table into the run (unless the run has one).
+
+    The table holds the target's statistics, not the drafter's, so a fine-tune keeps serving it;
+    without the copy `train.card` would ship the fine-tune without a table. Returns the source."""
+    src = Path(init.removeprefix("from:")) / CORPUS_FILE
+    if not init.startswith("from:") or not src.is_file() or (out / CORPUS_FILE).exists():
+        return None
+    shutil.copyfile(src, out / CORPUS_FILE)
+    return src
+
+
 def make_drafter(args: argparse.Namespace, target: Any, out: Path,
                  say: Any) -> tuple[DFlashDrafter, list[int], dict[str, Any] | None]:
     """The drafter to train: resumed from `out` (`--resume`; its shape wins over the flags) or
@@ -401,6 +415,11 @@ def run_train(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {"command": sys.argv, "target": target.name,
                               "target_dtype": str(target.dtype).removeprefix("torch."), "features": features_mode,
                               "autocast": None if autocast is None else "bfloat16"}
+
+    carried = carry_corpus(args.init, out) if dd.main else None
+    if carried is not None:
+        report["ngrams"] = f"copied from {carried}"
+        say(f"[train] n-gram table copied from {carried} (the target's statistics: they stay valid)", flush=True)
 
     # ----- (a) data: top-up, then the samples -----
     samples, held, train_samples, report["data"] = prepare_data(args, target, folders, on_cuda, progress)
