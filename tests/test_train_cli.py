@@ -245,6 +245,12 @@ def test_keep_draft_vocab_trains_against_the_warm_start_vocabulary(trained: Path
     # The warm start's n-gram table (the target's statistics) travels with the run and is shipped.
     assert (out / "ngrams.npz").read_bytes() == table
     assert json.loads((out / "train_report.json").read_text())["ngrams"] == f"copied from {warm / 'ngrams.npz'}"
+    # A resumed run finds the table already there, and its report still says where it came from.
+    assert main(["train", "--data", str(trained / "data"), "--out", str(out), "--steps", "3", "--resume",
+                 "--init", f"from:{warm}", "--keep-draft-vocab", *TRAIN_FLAGS, "--eval-prompts", "none"]) == 0
+    resumed = json.loads((out / "train_report.json").read_text())
+    assert resumed["resumed_from"] == 2 and resumed["ngrams"] == f"copied from {warm / 'ngrams.npz'}"
+    assert (out / "ngrams.npz").read_bytes() == table
     shipped = trained / "kept-shipped"
     assert card_main([str(out), "--to", str(shipped)]) == 0
     assert f"`{warm}`'s draft vocabulary" in (shipped / "MODEL_CARD.md").read_text()

@@ -491,8 +491,10 @@ def run_train(args: argparse.Namespace) -> int:
     # Every command that shaped these weights, so a resumed run's report still names the first one.
     commands = [*(resumed or {}).get("commands", []), sys.argv]
     report["commands"] = commands
+    if resumed and resumed.get("ngrams") and "ngrams" not in report:
+        report["ngrams"] = resumed["ngrams"]  # copied by the first run; the state remembers from where
     info_base = {"layer_ids": layer_ids, "args": {k: v for k, v in vars(args).items() if k != "func"},
-                 "commands": commands}
+                 "commands": commands, **({"ngrams": report["ngrams"]} if "ngrams" in report else {})}
 
     # ----- (c) the loop -----
     log = (out / LOG_NAME if dd.main else Path(os.devnull)).open("a")
