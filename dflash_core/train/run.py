@@ -494,7 +494,7 @@ def run_train(args: argparse.Namespace) -> int:
     if resumed and resumed.get("ngrams") and "ngrams" not in report:
         report["ngrams"] = resumed["ngrams"]  # copied by the first run; the state remembers from where
     info_base = {"layer_ids": layer_ids, "args": {k: v for k, v in vars(args).items() if k != "func"},
-                 "commands": commands, **({"ngrams": report["ngrams"]} if "ngrams" in report else {})}
+                 "commands": commands, "ngrams": report.get("ngrams")}
 
     # ----- (c) the loop -----
     log = (out / LOG_NAME if dd.main else Path(os.devnull)).open("a")
