@@ -105,17 +105,20 @@ gen() {  # $1 = folder under $NEW, then data.generate's own options; stops by $G
 }
 pkg_dir() { $PY -c "import importlib.util, sys; print(next(iter(importlib.util.find_spec(sys.argv[1]).submodule_search_locations)))" "$1"; }
 code_jobs() {  # one after another: each source is small (numpy's functions, then what 3.12's stdlib adds)
-  gen code-numpy --source "pycode:$(pkg_dir numpy)"
+  gen code-numpy --source "pycode:$(pkg_dir numpy)" --skip-ids-in data/smollm2-pycode-numpy
   [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-stdlib --source python-stdlib \
-    --skip-ids-in data/smollm2-pycode --skip-ids-in data/smollm2-pycode-b --skip-ids-in data/smollm2-pycode-c
-  [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-requests --source "pycode:$(pkg_dir requests)"
+    --skip-ids-in data/smollm2-pycode --skip-ids-in data/smollm2-pycode-b --skip-ids-in data/smollm2-pycode-c \
+    --skip-ids-in data/smollm2-pycode-stdlib312
+  [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-requests --source "pycode:$(pkg_dir requests)" \
+    --skip-ids-in data/smollm2-pycode-requests
   return 0
 }
-gen math --source synthetic-math:60000 --skip-ids-in data/smollm2-math &
+gen math --source synthetic-math:60000 --skip-ids-in data/smollm2-math --skip-ids-in data/smollm2-math-h200 &
 p1=$!
 code_jobs &
 p2=$!
-gen chat --source "$CHAT_SOURCE" --from-end --skip-ids-in data/smollm2-sharegpt &
+gen chat --source "$CHAT_SOURCE" --from-end --skip-ids-in data/smollm2-sharegpt \
+  --skip-ids-in data/smollm2-sharegpt-h200 &
 p3=$!
 wait $p1 $p2 $p3  # not a bare `wait`: that would also wait for the log's tee
 
@@ -123,6 +126,9 @@ wait $p1 $p2 $p3  # not a bare `wait`: that would also wait for the log's tee
 # evaluation sets are HumanEval and GSM8K; chat keeps the app's general case served)
 DATA=data/smollm2-sharegpt,data/smollm2-sharegpt-answers,data/smollm2-sharegpt-later
 DATA+=,data/smollm2-pycode*2,data/smollm2-pycode-b*2,data/smollm2-pycode-c*2,data/smollm2-math
+# The first lease's replies (2026-12-04), in the repository since
+DATA+=,data/smollm2-sharegpt-h200,data/smollm2-math-h200,data/smollm2-pycode-numpy*2
+DATA+=,data/smollm2-pycode-requests*2,data/smollm2-pycode-stdlib312*2
 for dir in "$NEW"/*/; do
   dir=${dir%/}
   compgen -G "$dir/shard-*.jsonl.gz" >/dev/null || continue

@@ -163,3 +163,17 @@ def test_generate_skips_prompts_held_by_sibling_folders(tmp_path: Path, target) 
     assert settings["skip_ids_in"] == [str(tmp_path / "a")]
     with pytest.raises(FileNotFoundError, match="no data shards"):  # a mistyped folder must not pass silently
         main(["generate", "--out", str(tmp_path / "c"), *common, "--skip-ids-in", str(tmp_path / "typo")])
+
+
+def test_generate_cli_minutes_time_box(tmp_path: Path, target, capsys) -> None:
+    # 6 ms after loading: no batch can start once one has run (each takes longer than that), so the
+    # box stops the run after at most one batch, keeps what it made and says why it stopped.
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Say the number {i}."}) + "\n" for i in range(6)))
+    out = tmp_path / "out"
+    main(["generate", "--out", str(out), "--source", str(src), "--batch-size", "2", "--shard-size", "6",
+          "--max-new-tokens", "3", "--minutes", "0.0001"])
+    made = list(iter_samples(out)) if list(out.glob("shard-*.jsonl.gz")) else []
+    assert len(made) <= 2
+    assert "stopped by the time budget" in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["samples"] == len(made)

@@ -117,9 +117,10 @@ def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] =
                   "| set | prompts | new tokens | method | tau | speed-up | exact | hardware |",
                   "|---|---|---|---|---|---|---|---|", *_bench_rows(bench)]
     lines += ["", "## Limits",
-              "- Trained on a 2-core CPU from the data above: far below the published DFlash recipe",
-              "  (hundreds of thousands of conversations on GPUs). tau is correspondingly modest; see the",
-              "  project README for what limits it and for the GPU training script.",
+              "- Trained on tens of thousands of samples, mostly on a 2-core CPU (the history above says",
+              "  which runs had a GPU): far below the published DFlash recipe (hundreds of thousands of",
+              "  conversations, many GPU hours). tau is correspondingly modest; see the project README for",
+              "  what limits it and for the GPU training script.",
               "- Output is exact whatever the drafter: a weak drafter costs speed, never correctness.", ""]
     return "\n".join(lines)
 
