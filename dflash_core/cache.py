@@ -76,7 +76,12 @@ class TargetCache(Cache):
 
     def __init__(self, num_layers: int, max_cache_len: int, value_ones: bool = False) -> None:
         super().__init__(layers=[PreallocatedLayer(max_cache_len, value_ones) for _ in range(num_layers)])
-        self.max_cache_len = max_cache_len
+
+    @property
+    def max_cache_len(self) -> int:
+        # A property, not an attribute: transformers 5.0-5.2x's `Cache` has a read-only (deprecated)
+        # `max_cache_len` that an assignment cannot set (seen with 5.17 on the GPU machine).
+        return self.layers[0].max_cache_len
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` positions in every layer (rollback of rejected tokens)."""

@@ -26,6 +26,10 @@
 #   - tests/test_step_graphs.py: its CUDA test captures and replays real CUDA graphs on a tiny model
 #     against ordinary passes (replays, rollbacks, a second reply's cache); its other tests run on
 #     the CPU;
+#   - tests/test_kernels.py with DFLASH_KERNEL_TEST_DEVICE=cuda: the Triton accept kernels on the
+#     GPU against the torch rules, and a toy engine on the GPU whose kernel path must equal its
+#     torch path and plain greedy decoding (run alone in session 22: 45 passed; the engine tests
+#     found the transformers 5.17 cache bug fixed since);
 #   - tests/test_lossless.py and tests/test_verify.py: their fixtures load the target on the CPU
 #     (tests/conftest.py), so they run on the device's 16 CPU cores, not on the GPU;
 #   - losslessness ON THE GPU is the bench's exact-match column: at T=0 every method must give
@@ -62,9 +66,11 @@ if [ "$MODE" = gpu ]; then
   gpu_prepare check gpu_check.sh || exit $?
   DEVICE=cuda
   DTYPE=${DFLASH_CHECK_DTYPE:-float32}
-  # The step-graph tests first: their CUDA one captures real graphs (the rest of the file is CPU).
-  TESTS=(tests/test_step_graphs.py tests/test_lossless.py tests/test_verify.py
-         -k "not decodes_the_same_through_static_passes")
+  # The step-graph tests first: their CUDA one captures real graphs (the rest of the file is CPU);
+  # then the Triton accept kernels compiled for the GPU, and the toy engine on it with them.
+  export DFLASH_KERNEL_TEST_DEVICE=cuda
+  TESTS=(tests/test_step_graphs.py tests/test_kernels.py tests/test_lossless.py tests/test_verify.py
+         -k "not decodes_the_same_through_static_passes and not in_triton_interpreter")
   BENCH=(--set humaneval --limit "${DFLASH_CHECK_LIMIT:-6}" --max-new-tokens "${DFLASH_CHECK_TOKENS:-128}"
          --methods all)
   GRAPH_BENCH=(--set humaneval --limit "${DFLASH_CHECK_LIMIT:-6}" --max-new-tokens "${DFLASH_CHECK_TOKENS:-128}"
@@ -124,7 +130,7 @@ PY
   [ "$test_rc" = 0 ] || tail -n 30 "$OUT/tests.log"
   [ "$bench_rc" = 0 ] || tail -n 20 "$OUT/bench.log"
   [ "$graphs_rc" = 0 ] || tail -n 20 "$OUT/bench_graphs.log"
-  echo "[check] tests (CPU-only fixtures, run on this machine's CPU): ${test_line:-no result} · exit $test_rc · ${test_s} s"
+  echo "[check] tests (kernels, graphs and a toy engine on the GPU; the target on the CPU): ${test_line:-no result} · exit $test_rc · ${test_s} s"
   echo "[check] bench exit $bench_rc (1 = a method's tokens differ from plain at T=0) · ${bench_s} s"
   cat "$OUT/bench_table.txt"
   echo "[check] with --cuda-graphs: bench exit $graphs_rc · ${graphs_s} s · against ordinary passes: $same_line"

@@ -25,8 +25,12 @@
 #   run(command="DFLASH_GPU_BUDGET_S=S bash scripts/gpu_train.sh", carry=[".gpu/c"], timeout_s=T)
 # with S about T - 45 (packing and sending back the files). If the last call lands on a fresh
 # machine it stops within seconds with exit code 3: give back, start over only if time is left.
+# Device time left after that (a lease is 15 minutes, a call at most 10): at once, while the
+# machine is still warm, continue the same run on the same data for what is left:
+#   run(command="DFLASH_GPU_BUDGET_S=S bash scripts/gpu_train.sh --more", carry=[".gpu/c"], timeout_s=T)
+# (first lease, 2026-12-04: staging 64 s, the work call 507 s; 305 s were left unused.)
 #
-# Within the budget: target conversion (~1 min?), then ~30 % on three generation jobs side by
+# Within the budget: target conversion (50 s on the H200), then ~30 % on three generation jobs side by
 # side on the one GPU (each is bound by kernel launches at batch 256, so three overlap): maths
 # word problems, Python coding requests and ShareGPT prompts, each skipping the prompts already
 # in data/; the rest trains the shipped drafter further (its draft vocabulary kept) on all of
@@ -41,12 +45,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
-case "${1:-}" in
-  --stage) MODE=stage ;;
-  --cpu-smoke) MODE=cpu-smoke ;;
-  "") ;;
-  *) echo "usage: bash scripts/gpu_train.sh [--stage | --cpu-smoke]" >&2; exit 2 ;;
-esac
+MORE=0
+for arg in "$@"; do
+  case "$arg" in
+    --stage) MODE=stage ;;
+    --cpu-smoke) MODE=cpu-smoke ;;
+    --more) MORE=1 ;;  # resume the run that an earlier call on this machine made, no generation
+    *) echo "usage: bash scripts/gpu_train.sh [--stage | [--cpu-smoke] [--more]]" >&2; exit 2 ;;
+  esac
+done
 OUT=${OUT:-runs/gpu-out}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -67,8 +74,8 @@ if [ "$MODE" = gpu ]; then
   GEN=(--batch-size 256 --shard-size 256)
   TRAIN=(--batch-seqs 64 --anchors-per-seq 16 --lr 3e-4 --warmup 50 --save-every 100)
   CHAT_SOURCE=.gpu/c/prompts.jsonl.gz
-  RUN=runs/h200-drafter
-  NEW=runs/h200-new
+  RUN=${DFLASH_GPU_RUN:-runs/h200-drafter}
+  NEW=${DFLASH_GPU_NEW:-runs/h200-new}
 else  # cpu-smoke: this machine's venv; a few prompts, a few steps
   PY=${PYTHON:-.venv/bin/python}
   DEVICE=cpu
@@ -77,8 +84,8 @@ else  # cpu-smoke: this machine's venv; a few prompts, a few steps
   TRAIN=(--batch-seqs 2 --anchors-per-seq 2 --lr 1e-4 --warmup 2 --save-every 2 --threads 2 --eval-seqs 4
          --features online)
   CHAT_SOURCE=sharegpt
-  RUN=runs/gpu-smoke/drafter
-  NEW=runs/gpu-smoke/new
+  RUN=${DFLASH_GPU_RUN:-runs/gpu-smoke/drafter}
+  NEW=${DFLASH_GPU_NEW:-runs/gpu-smoke/new}
 fi
 echo "[gpu] $(date -u +%FT%TZ) mode $MODE: $($PY -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)')"
 t=$(date +%s)
@@ -86,6 +93,10 @@ $PY -c "from dflash_core.targets import embedded_model_dir; embedded_model_dir()
 echo "[gpu] target ready in $(( $(date +%s) - t )) s"
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
+if [ "$MORE" = 1 ]; then
+  [ -f "$RUN/train_state.pt" ] || { echo "[gpu] --more: no run in $RUN on this machine (a fresh one?)" >&2; exit 3; }
+  rm -f "$OUT"/h200-data.tar*
+else
 rm -rf "$RUN" "$NEW"
 mkdir -p "$NEW"
 # ----- fresh replies: three jobs side by side, each time-boxed (loading not counted: + ~20 s)
@@ -121,6 +132,7 @@ gen chat --source "$CHAT_SOURCE" --from-end --skip-ids-in data/smollm2-sharegpt 
   --skip-ids-in data/smollm2-sharegpt-h200 &
 p3=$!
 wait $p1 $p2 $p3  # not a bare `wait`: that would also wait for the log's tee
+fi
 
 # ----- training: the shipped drafter, further, on everything (code and maths weighted up: the
 # evaluation sets are HumanEval and GSM8K; chat keeps the app's general case served)
@@ -138,16 +150,17 @@ done
 HARD=$(( $(left) - 5 ))
 TRAIN_MIN=$($PY -c "print(round(max(0.5, ($HARD - 60) / 60), 2))")
 echo "[gpu] $(left) s left: ${TRAIN_MIN} min of training (hard stop after ${HARD} s)"
+START=(--init from:assets/drafter --keep-draft-vocab)
+[ "$MORE" = 1 ] && START=(--resume --init from:assets/drafter --keep-draft-vocab)  # the schedule refits to the time left
 timeout --kill-after=10 "$HARD" $PY -m dflash_core train --device "$DEVICE" --dtype float32 --data "$DATA" \
-  --steps 0 --max-minutes "$TRAIN_MIN" "${TRAIN[@]}" --num-layers 2 --block-size 16 \
-  --init from:assets/drafter --keep-draft-vocab --seed 301 --log-every 25 --eval-prompts none \
-  --no-progress --out "$RUN"
+  --steps 0 --max-minutes "$TRAIN_MIN" "${TRAIN[@]}" --num-layers 2 --block-size 16 "${START[@]}" \
+  --seed 301 --log-every 25 --eval-prompts none --no-progress --out "$RUN"
 rc=$?
 
 for f in config.json model.safetensors train_report.json log.jsonl; do
   [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"
 done
-if compgen -G "$NEW/*/shard-*.jsonl.gz" >/dev/null; then
+if [ "$MORE" = 0 ] && compgen -G "$NEW/*/shard-*.jsonl.gz" >/dev/null; then
   tar -C "$NEW" -cf /tmp/h200-data.tar .
   if [ "$(stat -c %s /tmp/h200-data.tar)" -gt 15000000 ]; then
     split -b 15000000 -d -a 2 /tmp/h200-data.tar "$OUT/h200-data.tar."  # cat h200-data.tar.* > h200-data.tar

@@ -9,6 +9,10 @@ the start (`test_kernels_in_triton_interpreter`). In the parent process they are
 child, where `kernels.INTERPRETED` is true, they run and that launcher is skipped instead.
 Running the suite with TRITON_INTERPRET=1 set runs them directly.
 
+On a CUDA machine, `DFLASH_KERNEL_TEST_DEVICE=cuda pytest tests/test_kernels.py` runs the same
+kernel tests compiled for the GPU: inputs are built on the CPU as here, the kernels run on the
+device, and results (and token buffers) come back to be compared with the torch rules on the CPU.
+
 Exactness: greedy results and the accept count are compared exactly. The sampled token is
 compared exactly too: both sides accumulate the inverse CDF in float64, in different orders, so
 only a u within ~1e-12 (relative) of a CDF boundary could differ — for random u, odds of about
@@ -31,8 +35,11 @@ from dflash_core.verify import draw_uniforms, greedy_accept, speculative_accept,
 
 ROOT = Path(__file__).resolve().parent.parent
 HAVE_TRITON = kernels.triton is not None
+DEVICE = torch.device(os.environ.get("DFLASH_KERNEL_TEST_DEVICE", "cpu"))
+ON_GPU = HAVE_TRITON and DEVICE.type == "cuda" and torch.cuda.is_available() and not kernels.INTERPRETED
 in_interpreter = pytest.mark.skipif(
-    not kernels.INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child process (test_kernels_in_triton_interpreter)"
+    not (kernels.INTERPRETED or ON_GPU),
+    reason="runs in the TRITON_INTERPRET=1 child process (test_kernels_in_triton_interpreter), or on a GPU",
 )
 CHILD_TESTS_AT_LEAST = 40  # the child must really have run the kernel tests, not skipped them
 
@@ -51,6 +58,28 @@ def test_kernels_in_triton_interpreter() -> None:
     passed = re.search(r"(\d+) passed", result.stdout)
     assert passed and int(passed.group(1)) >= CHILD_TESTS_AT_LEAST, report
     assert "failed" not in result.stdout and "error" not in result.stdout.lower(), report
+
+
+def greedy_k(draft, logits, out=None, length=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.greedy_accept_triton on DEVICE; results (and a token buffer) back on the CPU."""
+    return _kernel_on_device(kernels.greedy_accept_triton, (draft, logits), out, length)
+
+
+def spec_k(draft, q, p, u, out=None, length=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.speculative_accept_triton on DEVICE; results (and a token buffer) back on the CPU."""
+    return _kernel_on_device(kernels.speculative_accept_triton, (draft, q, p, u), out, length)
+
+
+def _kernel_on_device(fn, args: tuple, out: torch.Tensor | None, length: torch.Tensor | None):
+    if DEVICE.type == "cpu":
+        return fn(*args, out, length)
+    d_out = None if out is None else out.to(DEVICE)
+    d_len = None if length is None else length.to(DEVICE)
+    acc, tok = fn(*(a.to(DEVICE) for a in args), d_out, d_len)
+    if out is not None:
+        out.copy_(d_out.cpu())
+        length.copy_(d_len.cpu())
+    return acc.cpu(), tok.cpu()
 
 
 # ----- the dispatcher (no interpreter needed) -----
@@ -115,7 +144,7 @@ def test_greedy_every_accept_length(B: int, dtype: torch.dtype) -> None:
         logits, draft = logits_with_accept_length(B, V, k, dtype, seed=100 * B + k)
         ref = ints(*greedy_accept(draft, logits))
         assert ref[0] == k
-        assert ints(*kernels.greedy_accept_triton(draft, logits)) == ref, k
+        assert ints(*greedy_k(draft, logits)) == ref, k
 
 
 @in_interpreter
@@ -126,7 +155,7 @@ def test_greedy_large_vocab(dtype: torch.dtype) -> None:
         logits, draft = logits_with_accept_length(4, 49152, k, dtype, seed=7 + k)
         ref = ints(*greedy_accept(draft, logits))
         assert ref[0] == k
-        assert ints(*kernels.greedy_accept_triton(draft, logits)) == ref
+        assert ints(*greedy_k(draft, logits)) == ref
 
 
 @in_interpreter
@@ -142,23 +171,23 @@ def test_greedy_ties_take_the_first_index(V: int, max_split: int, monkeypatch: p
         logits[row, cols] = 4.0
     choice = [min(cols) for cols in spots]
     draft = torch.tensor(choice[:2])
-    assert ints(*kernels.greedy_accept_triton(draft, logits)) == (2, choice[2])
+    assert ints(*greedy_k(draft, logits)) == (2, choice[2])
     assert ints(*greedy_accept(draft, logits)) == (2, choice[2])
     # All -inf but one row: torch.argmax picks index 0 of an all -inf row.
     logits[1] = float("-inf")
     draft = torch.tensor([choice[0], 0])
-    assert ints(*kernels.greedy_accept_triton(draft, logits)) == ints(*greedy_accept(draft, logits)) == (2, choice[2])
+    assert ints(*greedy_k(draft, logits)) == ints(*greedy_accept(draft, logits)) == (2, choice[2])
 
 
 @in_interpreter
 def test_greedy_strided_logits() -> None:
     logits, draft = logits_with_accept_length(5, 3000, 2, torch.float32, seed=3)
-    wide = torch.full((5, 3100), 99.0)
-    wide[:, 50:3050] = logits
+    wide = torch.full((5, 3100), 99.0, device=DEVICE)  # made there: a copy to the device would be contiguous
+    wide[:, 50:3050] = logits.to(DEVICE)
     view = wide[:, 50:3050]  # row stride 3100, not contiguous as a whole
     assert not view.is_contiguous()
     expected = (2, int(logits[2].argmax()))
-    assert ints(*kernels.greedy_accept_triton(draft, view)) == ints(*greedy_accept(draft, logits)) == expected
+    assert ints(*greedy_k(draft, view)) == ints(*greedy_accept(draft, logits)) == expected
 
 
 @in_interpreter
@@ -170,7 +199,7 @@ def test_greedy_commits_into_the_token_buffer(B: int) -> None:
     ref_out, ref_len = out.clone(), length.clone()
     for j, k in enumerate([B - 1, 0, B // 2]):  # three blocks appended one after another
         logits, draft = logits_with_accept_length(B, 300, k, torch.float32, seed=j)
-        acc, tok = kernels.greedy_accept_triton(draft, logits, out, length)
+        acc, tok = greedy_k(draft, logits, out, length)
         assert ints(acc, tok) == ints(*greedy_accept(draft, logits))
         expected += [*draft[:k].tolist(), int(tok)]
         assert out[: len(expected)].tolist() == expected
@@ -203,7 +232,7 @@ def test_speculative_matches_reference(B: int, dtype: torch.dtype) -> None:
         draft, q, p = random_block(B, 1000, dtype, g, sharp=1.0 + trial % 4)
         u = draw_uniforms(B - 1, g, "cpu")
         ref = ints(*speculative_accept_u(draft, q, p, u))
-        assert ints(*kernels.speculative_accept_triton(draft, q, p, u)) == ref, trial
+        assert ints(*spec_k(draft, q, p, u)) == ref, trial
         seen.add(ref[0])
     assert len(seen) >= min(B, 3)  # several accept lengths, not one degenerate case
 
@@ -215,7 +244,7 @@ def test_speculative_large_vocab(dtype: torch.dtype) -> None:
     for sharp in (0.3, 3.0):  # near-uniform rows (long CDF) and peaked ones
         draft, q, p = random_block(4, 49152, dtype, g, sharp)
         u = draw_uniforms(3, g, "cpu")
-        assert ints(*kernels.speculative_accept_triton(draft, q, p, u)) == ints(*speculative_accept_u(draft, q, p, u))
+        assert ints(*spec_k(draft, q, p, u)) == ints(*speculative_accept_u(draft, q, p, u))
 
 
 @in_interpreter
@@ -236,7 +265,7 @@ def test_speculative_every_accept_length(B: int) -> None:
             u[k] = 0.5
         ref = ints(*speculative_accept_u(draft, q, p, u))
         assert ref[0] == k
-        assert ints(*kernels.speculative_accept_triton(draft, q, p, u)) == ref
+        assert ints(*spec_k(draft, q, p, u)) == ref
         if k < B - 1:
             assert p[k, ref[1]] > q[k, ref[1]]  # the correction comes from max(0, p - q)
 
@@ -251,7 +280,7 @@ def test_speculative_empty_residual_falls_back_to_p() -> None:
     for u_final, token in [(0.0, 0), (0.05, 0), (0.3, 2), (0.65, 2), (0.75, 3), (0.999, 3)]:
         u = torch.tensor([0.9, u_final], dtype=torch.float64)  # 0.9 * 0.6 >= 0.3: rejected
         assert ints(*speculative_accept_u(draft, q, p, u)) == (0, token)
-        assert ints(*kernels.speculative_accept_triton(draft, q, p, u)) == (0, token)
+        assert ints(*spec_k(draft, q, p, u)) == (0, token)
 
 
 @in_interpreter
@@ -265,7 +294,7 @@ def test_speculative_cdf_boundaries_and_zero_weights() -> None:
     for u_final, token in [(0.0, 1), (0.1, 1), (0.25, 2), (0.4999, 2), (0.5, 4), (0.75, 4), (largest_u, 4)]:
         u = torch.tensor([0.0, u_final], dtype=torch.float64)
         assert ints(*speculative_accept_u(draft, q, p, u)) == (1, token), u_final
-        assert ints(*kernels.speculative_accept_triton(draft, q, p, u)) == (1, token), u_final
+        assert ints(*spec_k(draft, q, p, u)) == (1, token), u_final
     # A row that ends in zeros: the largest u lands on the last positive token. So does u = 1
     # (torch.rand never draws it), which stands in for rounding that puts u * total at or past
     # the cdf's end (the kernel sums the total and the cdf in different orders): never a
@@ -277,7 +306,7 @@ def test_speculative_cdf_boundaries_and_zero_weights() -> None:
     for u_final in (largest_u, 1.0):
         u = torch.tensor([0.0, u_final], dtype=torch.float64)
         assert ints(*speculative_accept_u(draft, q, p, u)) == (1, 1999)
-        assert ints(*kernels.speculative_accept_triton(draft, q, p, u)) == (1, 1999)
+        assert ints(*spec_k(draft, q, p, u)) == (1, 1999)
 
 
 @in_interpreter
@@ -290,7 +319,7 @@ def test_speculative_commits_into_the_token_buffer(B: int) -> None:
     for _ in range(4):
         draft, q, p = random_block(B, 200, torch.float32, g, sharp=2.0)
         u = draw_uniforms(B - 1, g, "cpu")
-        acc, tok = kernels.speculative_accept_triton(draft, q, p, u, out, length)
+        acc, tok = spec_k(draft, q, p, u, out, length)
         a, t = ints(acc, tok)
         assert (a, t) == ints(*speculative_accept_u(draft, q, p, u))
         expected += [*draft[:a].tolist(), t]
@@ -316,14 +345,19 @@ def test_bad_arguments_are_refused() -> None:
 
 @pytest.fixture(scope="module")
 def toy_engine():
+    """On the CPU for the interpreter's kernels; on the GPU with DFLASH_KERNEL_TEST_DEVICE=cuda."""
     from toy import toy_target
 
     from dflash_core.drafter import DFlashDrafter, config_for_target, init_weights
     from dflash_core.engine import Engine
+    from dflash_core.targets import Target
 
     target = toy_target()  # vocabulary of 4: a random drafter is right often enough
+    if ON_GPU:
+        target = Target(model=target.model.to(DEVICE), tokenizer=target.tokenizer, name=target.name,
+                        device=DEVICE, dtype=torch.float32)
     cfg = config_for_target(target.config, num_layers=1, block_size=4, mask_token_id=3)
-    return Engine(target, init_weights(DFlashDrafter(cfg), std=0.3, seed=2))
+    return Engine(target, init_weights(DFlashDrafter(cfg), std=0.3, seed=2))  # moved to the target's device
 
 
 @in_interpreter
@@ -359,5 +393,8 @@ def test_engine_kernel_path_matches_torch_path(toy_engine, temperature: float,
         assert calls["n"] > 0  # the kernels really ran
         calls["n"] = 0
         assert kernel_path == torch_path
+        if temperature == 0.0:  # and both are plain greedy decoding's tokens
+            plain = list(toy_engine.generate(prompts[seed], GenerationConfig(max_new_tokens=14), plain=True))
+            assert kernel_path[-1] == plain[-1].token_ids
         accepted |= {a for a, _ in torch_path[1:-1]}
     assert len(accepted) >= 2  # the comparison saw blocks with different accept lengths

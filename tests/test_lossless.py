@@ -438,7 +438,9 @@ class RecordingEngine(Engine):
 def test_sampling_multi_step_draft_fixes_every_position(target: Target, random_drafter: DFlashDrafter,
                                                         block: int) -> None:
     eng = RecordingEngine(target, random_drafter)
-    cfg = GenerationConfig(max_new_tokens=3, block_size=block, steps=2, temperature=1.0, seed=0)
+    # Every draft verified: "auto" would pick the adaptive chain, whose length (and so q's rows)
+    # follows this machine's measured pass costs, i.e. its load at the time.
+    cfg = GenerationConfig(max_new_tokens=3, block_size=block, steps=2, temperature=1.0, seed=0, verify="full")
     events, _ = run(eng, PROMPTS["chat"], cfg)  # type: ignore[arg-type]
     assert eng.drafts
     for ev, draft in zip(events[1:], eng.drafts, strict=True):
