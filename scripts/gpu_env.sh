@@ -1,10 +1,11 @@
 # Sourced by gpu_train.sh and gpu_check.sh: rebuild the embedded target on the offline device.
 #
 # The 98 MB GGUF and the working tree do not fit one 64 MiB call, so scripts/gpu_bundle.sh splits
-# the GGUF in three: parts 0 and 1 ride calls 1 and 2 (`--stage`, carry .gpu/a then .gpu/b), which
-# park them in $GPU_STAGE on the warm machine; the last part and the wheels ride call 3 (carry
-# .gpu/c). gpu_prepare joins the parts, checks the sha256, installs the wheels into /tmp/site and
-# exports what the engine needs to find the target offline.
+# the GGUF in two halves that ride calls 1 and 2 (`--stage`, carry .gpu/a then .gpu/b, beside a
+# light working tree) and are parked in $GPU_STAGE on the warm machine; the sha256, the part count
+# and the wheels ride call 3 (carry .gpu/c, beside the full tree). gpu_prepare joins the parts,
+# checks the sha256, installs the wheels into /tmp/site and exports what the engine needs to find
+# the target offline. (A bundle of an older layout may carry a third part in .gpu/c: it is used.)
 
 GPU_STAGE=/tmp/dflash-stage
 
@@ -20,7 +21,12 @@ gpu_stage() {  # calls 1 and 2: park whichever part this call carried
 
 gpu_prepare() {  # call 3; $1 = log tag, $2 = this script's name (for the hint)
   local tag=$1 script=$2 want parts
-  want=$(cat .gpu/c/gguf.nparts 2>/dev/null || echo 3)
+  if [ ! -f assets/drafter/model.safetensors ] || [ ! -d data ]; then
+    echo "[$tag] a light working tree came (no data/ or drafter weights): run 'bash scripts/gpu_bundle.sh" \
+         "--full' here before this call" >&2
+    return 3
+  fi
+  want=$(cat .gpu/c/gguf.nparts 2>/dev/null || echo 2)
   [ -f .gpu/c/gguf.part2 ] && cp .gpu/c/gguf.part2 "$GPU_STAGE/" 2>/dev/null
   parts=$(ls "$GPU_STAGE"/gguf.part* 2>/dev/null | sort -V)
   if [ ! -f .gpu/c/gguf.sha256 ] || [ "$(echo "$parts" | grep -c part)" != "$want" ]; then

@@ -28,7 +28,8 @@
 # Device time left after that (a lease is 15 minutes, a call at most 10): at once, while the
 # machine is still warm, continue the same run on the same data for what is left:
 #   run(command="DFLASH_GPU_BUDGET_S=S bash scripts/gpu_train.sh --more", carry=[".gpu/c"], timeout_s=T)
-# (first lease, 2026-12-04: staging 64 s, the work call 507 s; 305 s were left unused.)
+# (first lease, 2026-12-04: staging 64 s, the work call 507 s; of the 305 s left, a 63-second
+# kernel-test call used ~100.)
 #
 # Within the budget: target conversion (50 s on the H200), then ~30 % on three generation jobs side by
 # side on the one GPU (each is bound by kernel launches at batch 256, so three overlap): maths
@@ -87,6 +88,10 @@ else  # cpu-smoke: this machine's venv; a few prompts, a few steps
   RUN=${DFLASH_GPU_RUN:-runs/gpu-smoke/drafter}
   NEW=${DFLASH_GPU_NEW:-runs/gpu-smoke/new}
 fi
+if [ "$MORE" = 1 ] && [ ! -f "$RUN/train_state.pt" ]; then
+  echo "[gpu] --more: no run in $RUN on this machine (a fresh one?)" >&2
+  exit 3
+fi
 echo "[gpu] $(date -u +%FT%TZ) mode $MODE: $($PY -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)')"
 t=$(date +%s)
 $PY -c "from dflash_core.targets import embedded_model_dir; embedded_model_dir()" || exit 6
@@ -94,7 +99,6 @@ echo "[gpu] target ready in $(( $(date +%s) - t )) s"
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
 if [ "$MORE" = 1 ]; then
-  [ -f "$RUN/train_state.pt" ] || { echo "[gpu] --more: no run in $RUN on this machine (a fresh one?)" >&2; exit 3; }
   rm -f "$OUT"/h200-data.tar*
 else
 rm -rf "$RUN" "$NEW"
@@ -152,6 +156,10 @@ TRAIN_MIN=$($PY -c "print(round(max(0.5, ($HARD - 60) / 60), 2))")
 echo "[gpu] $(left) s left: ${TRAIN_MIN} min of training (hard stop after ${HARD} s)"
 START=(--init from:assets/drafter --keep-draft-vocab)
 [ "$MORE" = 1 ] && START=(--resume --init from:assets/drafter --keep-draft-vocab)  # the schedule refits to the time left
+if [ "$HARD" -lt 90 ]; then  # `timeout 0` would mean no limit at all, and loading alone takes ~30 s
+  echo "[gpu] ${HARD} s is too little to train; nothing trained" >&2
+  exit 7
+fi
 timeout --kill-after=10 "$HARD" $PY -m dflash_core train --device "$DEVICE" --dtype float32 --data "$DATA" \
   --steps 0 --max-minutes "$TRAIN_MIN" "${TRAIN[@]}" --num-layers 2 --block-size 16 "${START[@]}" \
   --seed 301 --log-every 25 --eval-prompts none --no-progress --out "$RUN"

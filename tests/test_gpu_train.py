@@ -40,3 +40,25 @@ def test_more_without_an_earlier_run_stops_at_once(tmp_path: Path) -> None:
     assert "no run in" in done.stdout + done.stderr
     assert not (tmp_path / "no-run").exists() and not (tmp_path / "new").exists()
     assert "[gpu]" in (tmp_path / "out" / "gpu_train.log").read_text()
+
+
+def test_bundle_light_and_full_round_trip_without_losing_changes(tmp_path: Path) -> None:
+    # --light deletes committed files for the staging calls; --full must bring back exactly those,
+    # and leave a file changed since (new weights copied in after a lease) as it is.
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    bundle = clone / "scripts" / "gpu_bundle.sh"
+    bundle.write_text((ROOT / "scripts" / "gpu_bundle.sh").read_text())  # this tree's version, committed or not
+    weights, ngrams = clone / "assets/drafter/model.safetensors", clone / "assets/drafter/ngrams.npz"
+    want = weights.read_bytes()
+    done = subprocess.run(["bash", str(bundle), "--light"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert not weights.exists() and not ngrams.exists() and not (clone / "data").exists()
+    subprocess.run(["bash", str(bundle), "--full"], check=True, capture_output=True)
+    assert weights.read_bytes() == want and ngrams.exists() and any((clone / "data").iterdir())
+    weights.write_bytes(b"new weights")
+    refused = subprocess.run(["bash", str(bundle), "--light"], capture_output=True, text=True)
+    assert refused.returncode == 1 and "uncommitted" in refused.stderr and weights.exists()
+    ngrams.unlink()
+    subprocess.run(["bash", str(bundle), "--full"], check=True, capture_output=True)
+    assert weights.read_bytes() == b"new weights" and ngrams.exists()

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 HAVE_TRITON = kernels.triton is not None
 DEVICE = torch.device(os.environ.get("DFLASH_KERNEL_TEST_DEVICE", "cpu"))
 ON_GPU = HAVE_TRITON and DEVICE.type == "cuda" and torch.cuda.is_available() and not kernels.INTERPRETED
+KERNEL_DEVICE = DEVICE if ON_GPU else torch.device("cpu")  # where the kernels under test run
 in_interpreter = pytest.mark.skipif(
     not (kernels.INTERPRETED or ON_GPU),
     reason="runs in the TRITON_INTERPRET=1 child process (test_kernels_in_triton_interpreter), or on a GPU",
@@ -49,6 +50,7 @@ CHILD_TESTS_AT_LEAST = 40  # the child must really have run the kernel tests, no
 def test_kernels_in_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("DFLASH_TRITON", None)
+    env.pop("DFLASH_KERNEL_TEST_DEVICE", None)  # the interpreter's kernels take CPU tensors
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
@@ -71,12 +73,12 @@ def spec_k(draft, q, p, u, out=None, length=None) -> tuple[torch.Tensor, torch.T
 
 
 def _kernel_on_device(fn, args: tuple, out: torch.Tensor | None, length: torch.Tensor | None):
-    if DEVICE.type == "cpu":
+    if not ON_GPU:
         return fn(*args, out, length)
     d_out = None if out is None else out.to(DEVICE)
     d_len = None if length is None else length.to(DEVICE)
     acc, tok = fn(*(a.to(DEVICE) for a in args), d_out, d_len)
-    if out is not None:
+    if out is not None and length is not None:
         out.copy_(d_out.cpu())
         length.copy_(d_len.cpu())
     return acc.cpu(), tok.cpu()
@@ -182,8 +184,8 @@ def test_greedy_ties_take_the_first_index(V: int, max_split: int, monkeypatch: p
 @in_interpreter
 def test_greedy_strided_logits() -> None:
     logits, draft = logits_with_accept_length(5, 3000, 2, torch.float32, seed=3)
-    wide = torch.full((5, 3100), 99.0, device=DEVICE)  # made there: a copy to the device would be contiguous
-    wide[:, 50:3050] = logits.to(DEVICE)
+    wide = torch.full((5, 3100), 99.0, device=KERNEL_DEVICE)  # made there: a copy would be contiguous
+    wide[:, 50:3050] = logits.to(KERNEL_DEVICE)
     view = wide[:, 50:3050]  # row stride 3100, not contiguous as a whole
     assert not view.is_contiguous()
     expected = (2, int(logits[2].argmax()))

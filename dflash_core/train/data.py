@@ -563,7 +563,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     g.add_argument("--limit", type=int, default=0, help="total samples wanted in --out (0: all prompts)")
     g.add_argument("--batch-size", type=int, default=16)
     g.add_argument("--minutes", type=float, default=0.0,
-                   help="time box after loading: no batch starts that would end past it (0: none)")
+                   help="time box from when the target has loaded (prompt loading counts): no batch starts that "
+                        "would end past it (0: none)")
     g.add_argument("--shard-size", type=int, default=64)
     g.add_argument("--threads", type=int, default=1)
     g.add_argument("--max-new-tokens", type=int, default=256)
