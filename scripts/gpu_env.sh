@@ -9,6 +9,10 @@
 
 GPU_STAGE=/tmp/dflash-stage
 
+pkg_dir() {  # where installed package $1 lives (for data files shipped inside packages); needs $PY
+  $PY -c "import importlib.util, sys; print(next(iter(importlib.util.find_spec(sys.argv[1]).submodule_search_locations)))" "$1"
+}
+
 gpu_stage() {  # calls 1 and 2: park whichever part this call carried
   mkdir -p "$GPU_STAGE" || return 1
   local found=0 f

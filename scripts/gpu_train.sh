@@ -98,44 +98,46 @@ $PY -c "from dflash_core.targets import embedded_model_dir; embedded_model_dir()
 echo "[gpu] target ready in $(( $(date +%s) - t )) s"
 left() { echo $(( BUDGET - ($(date +%s) - T0) )); }
 
-if [ "$MORE" = 1 ]; then
-  rm -f "$OUT"/h200-data.tar*
-else
-rm -rf "$RUN" "$NEW"
-mkdir -p "$NEW"
 # ----- fresh replies: three jobs side by side, each time-boxed (loading not counted: + ~20 s)
-GEN_S=$(( ( $(left) - 60 ) * 3 / 10 ))
-[ "$MODE" = gpu ] || GEN_S=60
-[ "$GEN_S" -lt 20 ] && GEN_S=20
-GEN_MIN=$($PY -c "print(round($GEN_S / 60, 2))")
-echo "[gpu] $(left) s left: ${GEN_MIN} min of generation"
-GEN_END=$(( $(date +%s) + GEN_S ))
-gen() {  # $1 = folder under $NEW, then data.generate's own options; stops by $GEN_END
-  local name=$1 minutes
-  shift
-  minutes=$($PY -c "print(round(max(0.05, ($GEN_END - $(date +%s)) / 60), 2))")
-  timeout $(( GEN_END - $(date +%s) + 60 )) $PY -m dflash_core.train.data generate --out "$NEW/$name" \
-    --device "$DEVICE" --dtype float32 --minutes "$minutes" "${GEN[@]}" "$@" > "$OUT/gen-$name.log" 2>&1
-  echo "[gpu] generation $name: exit $? · $(grep '^\[data\] made' "$OUT/gen-$name.log" | tail -1)"
+fresh_replies() {
+  rm -rf "$RUN" "$NEW"
+  mkdir -p "$NEW"
+  GEN_S=$(( ( $(left) - 60 ) * 3 / 10 ))
+  [ "$MODE" = gpu ] || GEN_S=60
+  [ "$GEN_S" -lt 20 ] && GEN_S=20
+  GEN_MIN=$($PY -c "print(round($GEN_S / 60, 2))")
+  echo "[gpu] $(left) s left: ${GEN_MIN} min of generation"
+  GEN_END=$(( $(date +%s) + GEN_S ))
+  gen() {  # $1 = folder under $NEW, then data.generate's own options; stops by $GEN_END
+    local name=$1 minutes
+    shift
+    minutes=$($PY -c "print(round(max(0.05, ($GEN_END - $(date +%s)) / 60), 2))")
+    timeout $(( GEN_END - $(date +%s) + 60 )) $PY -m dflash_core.train.data generate --out "$NEW/$name" \
+      --device "$DEVICE" --dtype float32 --minutes "$minutes" "${GEN[@]}" "$@" > "$OUT/gen-$name.log" 2>&1
+    echo "[gpu] generation $name: exit $? · $(grep '^\[data\] made' "$OUT/gen-$name.log" | tail -1)"
+  }
+  code_jobs() {  # one after another: each source is small (numpy's functions, then what 3.12's stdlib adds)
+    gen code-numpy --source "pycode:$(pkg_dir numpy)" --skip-ids-in data/smollm2-pycode-numpy
+    [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-stdlib --source python-stdlib \
+      --skip-ids-in data/smollm2-pycode --skip-ids-in data/smollm2-pycode-b --skip-ids-in data/smollm2-pycode-c \
+      --skip-ids-in data/smollm2-pycode-stdlib312
+    [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-requests --source "pycode:$(pkg_dir requests)" \
+      --skip-ids-in data/smollm2-pycode-requests
+    return 0
+  }
+  gen math --source synthetic-math:60000 --skip-ids-in data/smollm2-math --skip-ids-in data/smollm2-math-h200 &
+  p1=$!
+  code_jobs &
+  p2=$!
+  gen chat --source "$CHAT_SOURCE" --from-end --skip-ids-in data/smollm2-sharegpt \
+    --skip-ids-in data/smollm2-sharegpt-h200 &
+  p3=$!
+  wait $p1 $p2 $p3  # not a bare `wait`: that would also wait for the log's tee
 }
-pkg_dir() { $PY -c "import importlib.util, sys; print(next(iter(importlib.util.find_spec(sys.argv[1]).submodule_search_locations)))" "$1"; }
-code_jobs() {  # one after another: each source is small (numpy's functions, then what 3.12's stdlib adds)
-  gen code-numpy --source "pycode:$(pkg_dir numpy)" --skip-ids-in data/smollm2-pycode-numpy
-  [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-stdlib --source python-stdlib \
-    --skip-ids-in data/smollm2-pycode --skip-ids-in data/smollm2-pycode-b --skip-ids-in data/smollm2-pycode-c \
-    --skip-ids-in data/smollm2-pycode-stdlib312
-  [ "$(date +%s)" -lt $(( GEN_END - 15 )) ] && gen code-requests --source "pycode:$(pkg_dir requests)" \
-    --skip-ids-in data/smollm2-pycode-requests
-  return 0
-}
-gen math --source synthetic-math:60000 --skip-ids-in data/smollm2-math --skip-ids-in data/smollm2-math-h200 &
-p1=$!
-code_jobs &
-p2=$!
-gen chat --source "$CHAT_SOURCE" --from-end --skip-ids-in data/smollm2-sharegpt \
-  --skip-ids-in data/smollm2-sharegpt-h200 &
-p3=$!
-wait $p1 $p2 $p3  # not a bare `wait`: that would also wait for the log's tee
+if [ "$MORE" = 1 ]; then
+  rm -f "$OUT"/h200-data.tar*  # this lease's replies came back with the first call
+else
+  fresh_replies
 fi
 
 # ----- training: the shipped drafter, further, on everything (code and maths weighted up: the
