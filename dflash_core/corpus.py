@@ -87,18 +87,20 @@ class CorpusNgrams:
                 return int(self.tokens[i]), float(self.scores[i])
         return None
 
-    def chain(self, context: list[int], length: int, score: float = 1.0) -> tuple[list[int], list[float]]:
+    def chain(self, context: list[int], length: int, score: float = 1.0,
+              power: float = 1.0) -> tuple[list[int], list[float]]:
         """Up to `length` guessed tokens after `context`, each the table's choice after the ones
-        before it, and their path scores (`score` times the product of the entries' scores);
-        stops where the path score falls below `FLOOR`."""
+        before it, and their path scores (`score` times the product of the entries' scores, each
+        raised to `power`: a calibration, see lookup.py); stops where the path score falls below
+        `FLOOR`."""
         ctx = list(context[-ORDER:])
         tokens: list[int] = []
         scores: list[float] = []
         for _ in range(length):
             hit = self.next_token(ctx)
-            if hit is None or score * hit[1] < FLOOR:
+            if hit is None or score * hit[1] ** power < FLOOR:
                 break
-            score *= hit[1]
+            score *= hit[1] ** power
             tokens.append(hit[0])
             scores.append(score)
             ctx = [*ctx, hit[0]][-ORDER:]

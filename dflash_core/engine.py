@@ -18,7 +18,7 @@ import torch
 
 from . import kernels
 from .config import TREE_MODES, GenerationConfig
-from .draft_tree import BRANCHING, DraftTree, grow_tree, max_tree_nodes, visibility, walk
+from .draft_tree import BRANCHING, CALIBRATION, DraftTree, grow_tree, max_tree_nodes, visibility, walk
 from .drafter import DFlashDrafter, check_fit
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished
@@ -315,9 +315,9 @@ class Engine:
         forced draft) is a chain: one candidate per position."""
         if draft.top is None:
             toks, probs = draft.tokens.tolist(), draft.probs.tolist()
-            return grow_tree([[p] for p in probs], [[t] for t in toks], max_nodes)
+            return grow_tree([[p**CALIBRATION] for p in probs], [[t] for t in toks], max_nodes)
         top_p, top_i = draft.top
-        return grow_tree(top_p.tolist(), top_i.tolist(), max_nodes)
+        return grow_tree(top_p.pow(CALIBRATION).tolist(), top_i.tolist(), max_nodes)
 
     @staticmethod
     def _walked_draft(tree: DraftTree, line: list[int], draft: Draft) -> Draft:

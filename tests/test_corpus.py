@@ -114,6 +114,18 @@ def test_chain_takes_the_longest_known_context_and_stops_at_the_floor() -> None:
     assert table.chain([8], length=5) == ([], [])  # 8 never occurred
 
 
+def test_chain_power_calibrates_each_entry() -> None:
+    triples = [([], [1, 2, 6, 7], [1, 2, 6, 7])] * 3 + [([], [7, 7, 7], [7, 7, 7])] * 2
+    table = build_corpus(triples, vocab_size=10)
+    raw_tokens, raw = table.chain([1, 2], length=3, score=0.5)
+    tokens, cal = table.chain([1, 2], length=3, score=0.5, power=1.7)
+    assert tokens == raw_tokens[: len(tokens)] and tokens
+    for k in range(len(tokens)):  # the path's entries, each raised to the power, under the 0.5 above
+        assert cal[k] == pytest.approx(0.5 * (raw[k] / 0.5) ** 1.7)
+        assert cal[k] < raw[k]
+    assert len(table.chain([1, 2], length=50, power=3.0)[0]) < len(table.chain([1, 2], length=50)[0])
+
+
 def test_table_file_round_trip(tmp_path) -> None:
     table = build_corpus(random_triples(4), vocab_size=12, meta={"sources": ["toy"]})
     table.save(tmp_path)

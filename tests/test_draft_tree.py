@@ -15,7 +15,7 @@ from test_verify_length import CPU_LIKE, PROMPTS, plain_outputs, shipped_engine 
 
 import dflash_core.engine as engine_module
 from dflash_core.config import GenerationConfig
-from dflash_core.draft_tree import DraftTree, grow_tree, max_tree_nodes, visibility, walk
+from dflash_core.draft_tree import CALIBRATION, DraftTree, grow_tree, max_tree_nodes, visibility, walk
 from dflash_core.drafter import DFlashDrafter
 from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
@@ -43,6 +43,23 @@ def test_tree_grows_best_first() -> None:
     assert len(grow_tree(PROBS, IDS, max_nodes=100, branching=1)) == 3  # branching 1: the chain
     with pytest.raises(ValueError):
         grow_tree(PROBS, IDS, max_nodes=0)
+
+
+def test_engine_trees_score_calibrated_drafter_probabilities() -> None:
+    """A block's tree scores each node by its path's drafter probabilities raised to
+    CALIBRATION: lower than the raw products, in the same order."""
+    top = (torch.tensor(PROBS), torch.tensor(IDS))
+    draft = engine_module.Draft(tokens=torch.tensor([10, 20, 30]), probs=torch.tensor([0.5, 0.6, 0.9]), q=None,
+                                steps=[], top=top)
+    tree = Engine._draft_tree(draft, max_nodes=6)
+    assert CALIBRATION > 1
+    assert tree.scores == sorted(tree.scores, reverse=True)
+    for i in range(len(tree)):
+        raw = 1.0
+        for j in tree.path_to(i):
+            d = tree.depths[j]
+            raw *= PROBS[d - 1][IDS[d - 1].index(tree.tokens[j])]
+        assert tree.scores[i] == pytest.approx(raw**CALIBRATION, rel=1e-5) and tree.scores[i] < raw
 
 
 def test_prefix_main_line_and_path() -> None:
