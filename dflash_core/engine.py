@@ -325,7 +325,8 @@ class Engine:
         first choices at the deeper drafted positions (not verified), as one denoising step."""
         tokens = [tree.tokens[i] for i in line]
         # Each walked token's own probability: a node's score over its parent's (the drafter's
-        # probability, or a prompt-lookup guess's running rate where that was higher).
+        # probability, or a lookup guess's running rate where that was higher; both calibrated,
+        # see draft_tree.CALIBRATION and lookup.CALIBRATION).
         probs = [tree.scores[i] / max(tree.scores[tree.parents[i]], 1e-30) if tree.parents[i] >= 0
                  else tree.scores[i] for i in line]
         tokens += draft.tokens[len(line):].tolist()

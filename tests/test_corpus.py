@@ -215,7 +215,10 @@ def test_memorised_corpus_is_accepted_and_output_is_plain(target: Target, random
     monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
     monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    table = build_corpus([(p, r, r) for p, r in zip(prompt_ids, plain_replies, strict=True)] * 3,
+    # Ten sightings each: a table entry scores count / (count + PSEUDO_COUNT), calibrated down
+    # (lookup.CALIBRATION), and three sightings left its chains too short to outrank the random
+    # drafter's confident (probability 1) nodes in a 16-token tree.
+    table = build_corpus([(p, r, r) for p, r in zip(prompt_ids, plain_replies, strict=True)] * 10,
                          vocab_size=target.vocab_size)
     cfg = GenerationConfig(max_new_tokens=48, block_size=block, verify="tree")
     engine = TreeRecordingEngine(target, random_drafter)
