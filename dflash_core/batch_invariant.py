@@ -97,6 +97,11 @@ class InvariantLinear:
             return onednn_linear(x, self.packed, self.bias)
         return torch.cat([self(x[i : i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])
 
+    def whole(self, x: torch.Tensor) -> torch.Tensor:
+        """All rows in one call: faster for many rows, but a row's bits then depend on how many
+        there are (for a prefill, which no other pass has to match)."""
+        return onednn_linear(x, self.packed, self.bias)
+
 
 @dataclass
 class AttentionPlan:

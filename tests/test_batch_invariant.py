@@ -31,6 +31,31 @@ def plain_rows(target: Target, context: torch.Tensor, tokens: list[int]) -> torc
 
 
 @needs_amx
+def test_prefill_is_deterministic_and_matches_the_row_invariant_pass(target: Target) -> None:
+    """A prompt's first pass takes whole-pass GEMMs and SDPA (its rows need not match another
+    pass's): the same bits every time, the keys/values later steps read, and logits within bf16
+    rounding of the row-invariant path's, which the same prompt takes after one cached token."""
+    rng = random.Random(5)
+    ids = torch.tensor([[rng.randrange(target.vocab_size) for _ in range(150)]])
+    runs = []
+    for _ in range(2):
+        cache = target.new_cache(160)
+        logits, _ = target.forward(ids, cache)
+        step, _ = target.forward(torch.tensor([[7]]), cache)
+        runs.append((logits, step))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+    cache = target.new_cache(160)
+    target.forward(ids[:, :1], cache)
+    chunked, _ = target.forward(ids[:, 1:], cache)  # not a prefill: 32-row GEMMs, chunked attention
+    step, _ = target.forward(torch.tensor([[7]]), cache)
+    whole = runs[0][0][1:]
+    assert not torch.equal(whole, chunked)  # the prefill did take the other path
+    assert (whole - chunked).abs().max() < 0.05 * chunked.abs().max()
+    assert (whole.argmax(-1) == chunked.argmax(-1)).float().mean() > 0.9
+    assert (runs[0][1] - step).abs().max() < 0.05 * step.abs().max()  # the next step reads its keys/values
+
+
+@needs_amx
 def test_embedded_target_is_bf16_and_batch_invariant(target: Target) -> None:
     assert target.dtype == torch.bfloat16 and target.invariant, target.fast_path_note
     assert "batch-invariant" in target.fast_path_note
