@@ -21,7 +21,15 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
-from dflash_core.bench_stats import TABLE_HEAD, hardware, legend, row_cells, write_readme, write_text_atomic
+from dflash_core.bench_stats import (
+    TABLE_HEAD,
+    hardware,
+    legend,
+    prompt_count,
+    row_cells,
+    write_readme,
+    write_text_atomic,
+)
 from dflash_core.errors import DFlashError
 
 from .charts import COLORS, HEIGHT
@@ -155,7 +163,7 @@ def build_html(summary: dict[str, Any], per_prompt: Sequence[dict[str, Any]]) ->
            f"{summary.get('dtype', '?')} · torch {summary.get('torch', '?')} · "
            f"transformers {summary.get('transformers', '?')}")
     run = (f"target {summary.get('target', '?')} · drafter {summary.get('draft', '?')} · prompt set "
-           f"{summary.get('prompt_set', '?')} · {n_prompts} prompts · ≤ {summary.get('max_new_tokens', '?')} new "
+           f"{summary.get('prompt_set', '?')} · {prompt_count(summary)} · ≤ {summary.get('max_new_tokens', '?')} new "
            f"tokens · T={summary.get('temperature', 0):g} · mismatches {summary['mismatches']}")
     how = "".join(f"<li>{escape(line)}</li>" for line in legend(summary))
     title = f"DFlash bench · {summary.get('target', '')} · {summary.get('date', '')}"

@@ -209,7 +209,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     dflash = [s.name for s in specs if s.kind == "dflash"]
     if not dflash:
         raise DFlashError("--methods must include dflash or dflash-bN[-sK] (the method this report is about)")
-    prompts = load_prompt_set(args.prompts, args.limit)
+    prompts = load_prompt_set(args.prompts, args.limit, args.skip)
     # Every output is checked before the run, so an hour of benchmarking never ends in a write error.
     for path in (args.out, args.html, args.readme):
         if path:
@@ -226,6 +226,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     primary = next(m for m in methods if m.name == dflash[0])
     summary.update({
         "prompt_set": args.prompts,
+        "skip": args.skip,
         "target": engine.target.name,
         "draft": _shown_path(args.draft or default_drafter_for(args.target) or "untrained (random init)"),
         "block_size": primary.block_size,
@@ -268,6 +269,9 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", "--set", dest="prompts", required=True, metavar="FILE.jsonl|humaneval|gsm8k",
                    help='JSONL of {"prompt": str} or {"turns": [str, ...]}, or a built-in set')
     p.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts")
+    p.add_argument("--skip", type=int, default=0, metavar="N",
+                   help="leave out the first N prompts (before --limit), e.g. to measure a drafter on "
+                        "prompts the README tables do not use")
     p.add_argument("--out", "--json", dest="out", required=True, metavar="R.json",
                    help="where to write the JSON report")
     p.add_argument("--html", default=None, metavar="R.html",

@@ -290,7 +290,7 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{summary['target']} · draft: {summary['draft']}",
         f"{summary['device']} {summary['dtype']} · {summary.get('target_forward', 'transformers forward')} · "
         f"block {summary['block_size']} · steps {summary['steps']} · "
-        f"T={summary['temperature']:g} · max {summary['max_new_tokens']} new tokens · {summary['prompts']} prompts",
+        f"T={summary['temperature']:g} · max {summary['max_new_tokens']} new tokens · {prompt_count(summary)}",
         rule, *rows, rule, *legend(summary),
         f"mismatches {summary['mismatches']} ({exact})",
     ])
@@ -302,6 +302,12 @@ def hardware(summary: dict[str, Any]) -> str:
     return f"{summary.get('cpu', 'CPU')}, {summary.get('torch_threads', '?')} torch threads"
 
 
+def prompt_count(summary: dict[str, Any]) -> str:
+    """"5 prompts", or "15 prompts after the first 5" for a run that skipped some (`--skip`)."""
+    skip = summary.get("skip", 0)
+    return f"{summary['prompts']} prompts" + (f" after the first {skip}" if skip else "")
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
     """The README's results block: what ran where, the command, the table, how it is computed."""
     names, n_prompts = summary["methods"], summary["prompts"]
@@ -310,7 +316,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
         f"{summary.get('target_forward', 'transformers forward')}; "
         f"torch {summary.get('torch', '?')}, transformers {summary.get('transformers', '?')}. "
         f"Target `{summary.get('target', '?')}`, drafter `{summary.get('draft', '?')}`; "
-        f"prompt set `{summary.get('prompt_set', '?')}`, {n_prompts} prompts, "
+        f"prompt set `{summary.get('prompt_set', '?')}`, {prompt_count(summary)}, "
         f"≤ {summary.get('max_new_tokens', '?')} new tokens, T={summary.get('temperature', 0):g}.",
         "",
         f"Regenerate: `{summary.get('command', 'python -m dflash_core bench ...')}`",

@@ -95,9 +95,16 @@ def load_jsonl(path: str | Path) -> list[Turns]:
     return prompts
 
 
-def load_prompt_set(spec: str, limit: int | None = None) -> list[Turns]:
-    """A built-in set name (humaneval, gsm8k) or a JSONL path; `limit` keeps the first K prompts."""
+def load_prompt_set(spec: str, limit: int | None = None, skip: int = 0) -> list[Turns]:
+    """A built-in set name (humaneval, gsm8k) or a JSONL path; `skip` drops the first N prompts
+    (e.g. the ones the README's tables use, to measure a drafter on others) and `limit` keeps
+    the first K of the rest."""
     if limit is not None and limit < 1:
         raise DFlashError(f"limit must be a positive integer, got {limit}")
+    if skip < 0:
+        raise DFlashError(f"skip must be >= 0, got {skip}")
     prompts = BUILTIN[spec]() if spec in BUILTIN else load_jsonl(spec)
+    if skip >= len(prompts):
+        raise DFlashError(f"skip {skip} leaves none of the {len(prompts)} prompts in {spec}")
+    prompts = prompts[skip:]
     return prompts[:limit] if limit is not None else prompts

