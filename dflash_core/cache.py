@@ -92,14 +92,16 @@ class TargetCache(Cache):
     def keep_rows(self, start: int, rows: list[int]) -> None:
         """After a tree pass appended at `start`: keep rows `start + rows[i]` (increasing) as
         positions `start + i`, the accepted path, and drop the rest."""
-        if rows != list(range(len(rows))):
+        # Rows already where they belong (the path's head, often all of it) stay put.
+        k = next((i for i, r in enumerate(rows) if r != i), len(rows))
+        if k < len(rows):
             first = self.layers[0]
-            src = torch.tensor(rows, device=first.keys.device) + start
+            src = torch.tensor(rows[k:], device=first.keys.device) + start
             end = start + len(rows)
             for layer in self.layers:
                 # Advanced indexing gathers a copy first, so overlapping source and target are fine.
-                layer.keys[:, :, start:end] = layer.keys[:, :, src]
-                layer.values[:, :, start:end] = layer.values[:, :, src]
+                layer.keys[:, :, start + k : end] = layer.keys[:, :, src]
+                layer.values[:, :, start + k : end] = layer.values[:, :, src]
         self.truncate(start + len(rows))
 
     @property

@@ -24,7 +24,7 @@ from .cache import DraftCache
 from .corpus import FILE_NAME as CORPUS_FILE
 from .corpus import CorpusNgrams, load_corpus
 from .errors import DFlashError
-from .fast_forward import PackingLinear
+from .fast_forward import Linear, PackingLinear, pack_weight
 
 WEIGHTS_NAME = "model.safetensors"
 # Optional: the token ids the drafter drafts from (a JSON list). Not a weight file, so engines that
@@ -262,6 +262,53 @@ class DFlashDrafter(nn.Module):
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
 
+    # Inference state, rebuilt on demand and never saved or copied (see __getstate__).
+    _joined: tuple[tuple[Any, ...], dict[str, Linear]] | None = None
+    _rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Packed weights are opaque library tensors: they cannot be copied or pickled.
+        state = dict(self.__dict__)
+        state.pop("_joined", None)
+        state.pop("_rope_table", None)
+        return state
+
+    def _fused(self) -> dict[str, Linear]:
+        """For `step`: `fc`, and each layer's q/k/v and gate/up side by side as one weight (one
+        GEMM where there were three and two), laid out once for the GEMM library like the
+        target's (`pack_weight`). Rebuilt whenever a weight changes (training evaluates the
+        live drafter between optimizer steps) or moves."""
+        groups = {"fc": [self.fc]}
+        for i, layer in enumerate(self.layers):
+            a, m = layer.self_attn, layer.mlp
+            groups[f"qkv{i}"] = [a.q_proj, a.k_proj, a.v_proj]
+            groups[f"gate_up{i}"] = [m.gate_proj, m.up_proj]
+        params = [mod.weight for mods in groups.values() for mod in mods]
+        key = tuple((w.data_ptr(), w.dtype, w.device, -1 if w.is_inference() else w._version) for w in params)
+        if self._joined is None or self._joined[0] != key:
+            fused = {}
+            for name, mods in groups.items():
+                weight = torch.cat([mod.weight.detach() for mod in mods])
+                biases = [mod.bias for mod in mods]
+                bias = None
+                if any(b is not None for b in biases):
+                    bias = torch.cat([mod.weight.new_zeros(mod.weight.shape[0]) if mod.bias is None
+                                      else mod.bias.detach() for mod in mods])
+                fused[name] = Linear(weight, bias, pack_weight(weight))
+            self._joined = (key, fused)
+        return self._joined[1]
+
+    def _rope_rows(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [start, end), from a table kept across steps (doubling as
+        contexts grow): the same values `_rope` computes, without recomputing them per block."""
+        table = self._rope_table
+        if table is None or table[0].shape[0] < end or table[0].dtype != like.dtype or table[0].device != like.device:
+            n = max(end, 2 * (0 if table is None else table[0].shape[0]), 256)
+            table = self._rope(torch.arange(n, device=like.device), like.dtype)
+            self._rope_table = table
+        return table[0][start:end], table[1][start:end]
+
+    @torch.no_grad()
     def step(
         self,
         block_embeds: torch.Tensor,
@@ -269,39 +316,44 @@ class DFlashDrafter(nn.Module):
         cache: DraftCache,
         new_context: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One denoising pass over a block, at inference.
+        """One denoising pass over a block, at inference (no gradients: training runs
+        `forward_train`, the same maths over many blocks).
 
         block_embeds: [1, B, H] target embeddings of [anchor, mask/known tokens...];
         new_context: [1, n, len(layer_ids)*H] target features for the n committed positions
         `cache.length .. cache.length+n-1` the drafter has not seen yet; they are added to
         the cache for good. Returns the final hidden states [1, B, H].
         """
-        dev, dtype = block_embeds.device, block_embeds.dtype
         bsz = block_embeds.shape[1]
         ctx_start = cache.length
         n_new = 0 if new_context is None else new_context.shape[1]
         if ctx_start + n_new != block_start:
             raise RuntimeError(f"draft context ends at {ctx_start + n_new}, block starts at {block_start}")
-        block_pos = torch.arange(block_start, block_start + bsz, device=dev)
-        cos_b, sin_b = self._rope(block_pos, dtype)
+        cfg, fused = self.config, self._fused()
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        # The new context's positions run straight into the block's, so both take their keys
+        # and values from one GEMM per layer and land in the cache with one write: the
+        # context's for good, the block's as scratch past it.
+        cos, sin = self._rope_rows(ctx_start, block_start + bsz, block_embeds)
         ctx = None
-        if n_new:
-            ctx = self.hidden_norm(self.fc(new_context.to(dtype)))
-            cos_c, sin_c = self._rope(torch.arange(ctx_start, block_start, device=dev), dtype)
-        h = block_embeds
+        if new_context is not None and n_new:
+            ctx = self.hidden_norm(fused["fc"](new_context[0].to(block_embeds.dtype)))
+        h = block_embeds[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            if ctx is not None:
-                k_c, v_c = attn.project_kv(ctx, cos_c, sin_c)
-                cache.write(i, ctx_start, k_c, v_c)
             x = layer.input_layernorm(h)
-            k_b, v_b = attn.project_kv(x, cos_b, sin_b)
-            cache.write(i, block_start, k_b, v_b)  # scratch, past the committed context
-            k, v = cache.view(i, block_start + bsz)
-            h = h + attn.attend(attn.project_q(x, cos_b, sin_b), k, v, None)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            rows = x if ctx is None else torch.cat([ctx, x])
+            q, k, v = fused[f"qkv{i}"](rows).split((nh * hd, nkv * hd, nkv * hd), -1)
+            q = apply_rope(attn.q_norm(q[n_new:].view(bsz, nh, hd)).transpose(0, 1), cos[n_new:], sin[n_new:])
+            k = apply_rope(attn.k_norm(k.view(-1, nkv, hd)).transpose(0, 1), cos, sin)
+            cache.write(i, ctx_start, k[None], v.view(-1, nkv, hd).transpose(0, 1)[None])
+            keys, values = cache.view(i, block_start + bsz)
+            out = F.scaled_dot_product_attention(q[None], keys, values, enable_gqa=nkv != nh)[0]
+            h = h + attn.o_proj(out.transpose(0, 1).reshape(bsz, nh * hd))
+            gate, up = fused[f"gate_up{i}"](layer.post_attention_layernorm(h)).chunk(2, -1)
+            h = h + layer.mlp.down_proj(F.silu(gate) * up)
         cache.length = block_start
-        return self.norm(h)
+        return self.norm(h)[None]
 
     def forward_train(
         self,

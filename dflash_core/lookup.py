@@ -43,6 +43,10 @@ PRIOR = {
     (3, 0): 0.89, (3, 1): 0.92, (3, 2): 0.94, (3, 3): 0.96,
 }
 PRIOR_WEIGHT = 10.0
+# Only a match this long that runs into the end of the text extends periodically (measured,
+# HumanEval / GSM8K prompts 6-15: 1-, 2- and 3-gram matches alike cut HumanEval's blocks by ~5 %,
+# GSM8K's by none; 3 is the most certain that the text is looping).
+LOOP_NGRAM = 3
 CALIBRATION = 1.7  # power on a guess's rates where it joins a tree (see the module text)
 
 
@@ -72,8 +76,21 @@ class NgramIndex:
         for n in range(min(self.max_ngram, len(self.ids) + len(path) - 1), 0, -1):
             start = self._next.get(tuple(tail[len(tail) - n :]))
             if start is not None:
-                return n, self.ids[start : start + length]
+                return n, self._continuation(start, length, path, n)
         return 0, []
+
+    def _continuation(self, start: int, length: int, path: list[int] | tuple[int, ...], n: int) -> list[int]:
+        """Up to `length` tokens from `start` on in the committed tokens followed by `path`.
+        Where they run out after a match of `LOOP_NGRAM` tokens, the guess goes on repeating
+        itself with the period it has (the match's distance from the end): a reply caught in a
+        loop, as small models' greedy replies often are, then gets a whole block's guess rather
+        than one period of it."""
+        seq = self.ids[start : start + length]
+        if len(seq) < length:
+            seq += path[: length - len(seq)]
+        if len(seq) == length or n < LOOP_NGRAM:
+            return seq
+        return [seq[k % len(seq)] for k in range(length)]  # seq holds all of it: one period
 
 
 class LookupRates:

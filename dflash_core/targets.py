@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .batch_invariant import amx_bf16_available
+from .batch_invariant import CHUNK, amx_bf16_available
 from .cache import TargetCache
 from .errors import DFlashError
 from .fast_forward import FastForward, config_unsupported_reason, unsupported_reason
@@ -255,6 +255,10 @@ class Target:
 
     # --- maths ---
     def new_cache(self, max_len: int) -> TargetCache:
+        if self.invariant:
+            # Whole attention chunks: the batch-invariant attention reads keys by the chunk, and
+            # a buffer that ends inside one is padded (copied) on every pass that reaches it.
+            max_len = -(-max_len // CHUNK) * CHUNK
         return TargetCache(self.num_layers, max_len, value_ones=self.invariant)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

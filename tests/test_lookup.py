@@ -7,18 +7,22 @@ import random
 import pytest
 
 from dflash_core.draft_tree import add_chain, grow_tree
-from dflash_core.lookup import CALIBRATION, PRIOR, LookupRates, NgramIndex, with_lookup
+from dflash_core.lookup import CALIBRATION, LOOP_NGRAM, PRIOR, LookupRates, NgramIndex, with_lookup
 
 
 def brute_guess(ids: list[int], path: list[int], length: int, max_ngram: int = 3) -> tuple[int, list[int]]:
     """The latest occurrence inside `ids` (with a continuation there) of the last n tokens of
-    ids + path, searched directly; the continuation comes from `ids`."""
+    ids + path, searched directly; the continuation is what follows it in ids + path, and after
+    a `LOOP_NGRAM`-token match the text then repeats with its period, token by token."""
     seq = ids + path
     for n in range(min(max_ngram, len(seq) - 1), 0, -1):
         tail = seq[-n:]
         for s in range(len(ids) - n - 1, -1, -1):
             if ids[s : s + n] == tail:
-                return n, ids[s + n : s + n + length]
+                text, period = list(seq), len(seq) - (s + n)
+                while n >= LOOP_NGRAM and len(text) < s + n + length:
+                    text.append(text[-period])
+                return n, text[s + n : s + n + length]
     return 0, []
 
 
@@ -33,6 +37,7 @@ def test_index_matches_a_direct_search_as_tokens_arrive() -> None:
             index.extend(chunk)
             ids.extend(chunk)
             assert index.guess(6) == brute_guess(ids, [], 6)
+            assert index.guess(15) == brute_guess(ids, [], 15)
 
 
 def test_guess_after_a_path_matches_a_direct_search() -> None:
@@ -43,6 +48,7 @@ def test_guess_after_a_path_matches_a_direct_search() -> None:
         path = [rng.randrange(vocab) for _ in range(rng.randint(0, 4))]
         index = NgramIndex(ids)
         assert index.guess(5, path) == brute_guess(ids, path, 5), (ids, path)
+        assert index.guess(12, path) == brute_guess(ids, path, 12), (ids, path)
         assert index.ids == ids  # the path is not committed
 
 
@@ -51,6 +57,11 @@ def test_index_examples() -> None:
     assert index.guess(3) == (3, [8, 9, 5])  # "5 6 7" occurred before, followed by 8 9 5
     assert NgramIndex([1, 2, 3]).guess(4) == (0, [])  # nothing repeats
     assert NgramIndex([4, 1, 2, 4]).guess(2) == (1, [1, 2])
+    # A loop: the 3-gram's continuation runs into the end of the text and repeats with its period.
+    assert NgramIndex([1, 2, 3, 1, 2, 3]).guess(8) == (3, [1, 2, 3, 1, 2, 3, 1, 2])
+    assert NgramIndex([4, 1, 2, 4]).guess(5) == (1, [1, 2, 4])  # a 1-gram match does not extend
+    # The continuation reads on into the path, as if it were committed, then loops.
+    assert NgramIndex([7, 8, 9, 7, 8]).guess(4, [9]) == (3, [7, 8, 9, 7])
 
 
 def test_rates_start_at_the_prior_and_learn() -> None:

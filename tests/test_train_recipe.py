@@ -167,6 +167,30 @@ def test_forward_train_equals_inference_step_tiny() -> None:
             torch.testing.assert_close(train_out[j], inf[0], rtol=1e-4, atol=1e-5)
 
 
+def test_inference_step_follows_weight_updates_and_copies() -> None:
+    """`step` multiplies through joined, laid-out copies of the weights (`_fused`): an in-place
+    update (an optimizer step between evaluations) must reach them, and a drafter that has run
+    steps must still deep-copy (the laid-out copies are dropped, then rebuilt)."""
+    import copy
+
+    torch.manual_seed(2)
+    drafter = tiny_drafter(seed=5)
+    block, feats = torch.randn(1, B, H), torch.randn(1, 6, 2 * H)
+
+    def run(d: DFlashDrafter) -> torch.Tensor:
+        return d.step(block, 6, d.new_cache(6 + B), feats)
+
+    before = run(drafter)
+    with torch.no_grad():
+        drafter.layers[0].self_attn.k_proj.weight.mul_(1.5)
+        drafter.layers[1].mlp.up_proj.weight.add_(0.1)
+    after = run(drafter)
+    fresh = copy.deepcopy(drafter)
+    assert fresh._joined is None
+    torch.testing.assert_close(after, run(fresh), rtol=0, atol=0)
+    assert not torch.allclose(after, before)
+
+
 def test_forward_train_equals_inference_step_real_target(target_fp32) -> None:
     """Real shapes (SmolLM2 features, GQA 9/3 heads, B = 16) and real float32 target features: the
     training pass must give every block exactly what `step` gives it at inference. (Its own
