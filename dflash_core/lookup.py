@@ -3,8 +3,10 @@
 Code repeats names from the prompt, worked maths repeats numbers, and a small model's greedy
 reply repeats itself. So after the committed tokens' last n-gram (n = 3, 2, 1, longest first),
 the tokens that followed its most recent earlier occurrence are a good guess for what follows
-now. Those guesses join the drafter's candidates in the tree (`draft_tree.add_chain`); the target
-checks both in the same pass. It costs no model: an index of n-grams, updated as tokens commit.
+now (and, when a 3-gram's continuation runs into the end of the text, the reply is looping: the
+guess repeats that period to the block's end). Those guesses join the drafter's candidates in
+the tree (`draft_tree.add_chain`); the target checks both in the same pass. It costs no model:
+an index of n-grams, updated as tokens commit.
 The drafter's best few nodes get a guess too, read as if their tokens were committed
 (`with_lookup`): the drafter may see a repeat coming one token before the committed text does.
 A drafter that ships an n-gram table of the target's own text (corpus.py) adds its guesses at
