@@ -66,6 +66,18 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def joined_weight(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight and bias of linear layers that read the same input, as one layer whose outputs
+    are theirs side by side (q/k/v, gate/up); a missing bias counts as zeros."""
+    weights = [m.weight.detach() for m in modules]
+    biases = [getattr(m, "bias", None) for m in modules]
+    bias = None
+    if any(b is not None for b in biases):
+        pairs = zip(weights, biases, strict=True)
+        bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b.detach() for w, b in pairs])
+    return torch.cat(weights), bias
+
+
 @dataclass
 class InvariantLinear:
     """A bf16 linear layer through oneDNN with its weight reordered once."""
@@ -82,15 +94,8 @@ class InvariantLinear:
 
     @classmethod
     def joined(cls, modules: list[torch.nn.Module]) -> InvariantLinear:
-        """Linear layers that read the same input as one, their outputs side by side (q/k/v,
-        gate/up); a missing bias counts as zeros."""
-        weights = [m.weight for m in modules]
-        biases = [getattr(m, "bias", None) for m in modules]
-        bias = None
-        if any(b is not None for b in biases):
-            pairs = zip(weights, biases, strict=True)
-            bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in pairs])
-        return cls.of(torch.cat(weights), bias)
+        """Linear layers that read the same input as one (`joined_weight`)."""
+        return cls.of(*joined_weight(modules))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= MAX_ROWS:

@@ -24,7 +24,7 @@ from .cache import DraftCache
 from .corpus import FILE_NAME as CORPUS_FILE
 from .corpus import CorpusNgrams, load_corpus
 from .errors import DFlashError
-from .fast_forward import Linear, PackingLinear, pack_weight
+from .fast_forward import Linear, PackingLinear, weight_key
 
 WEIGHTS_NAME = "model.safetensors"
 # Optional: the token ids the drafter drafts from (a JSON list). Not a weight file, so engines that
@@ -278,24 +278,14 @@ class DFlashDrafter(nn.Module):
         GEMM where there were three and two), laid out once for the GEMM library like the
         target's (`pack_weight`). Rebuilt whenever a weight changes (training evaluates the
         live drafter between optimizer steps) or moves."""
-        groups = {"fc": [self.fc]}
+        groups: dict[str, list[nn.Module]] = {"fc": [self.fc]}
         for i, layer in enumerate(self.layers):
             a, m = layer.self_attn, layer.mlp
             groups[f"qkv{i}"] = [a.q_proj, a.k_proj, a.v_proj]
             groups[f"gate_up{i}"] = [m.gate_proj, m.up_proj]
-        params = [mod.weight for mods in groups.values() for mod in mods]
-        key = tuple((w.data_ptr(), w.dtype, w.device, -1 if w.is_inference() else w._version) for w in params)
+        key = tuple(weight_key(mod.weight) for mods in groups.values() for mod in mods)
         if self._joined is None or self._joined[0] != key:
-            fused = {}
-            for name, mods in groups.items():
-                weight = torch.cat([mod.weight.detach() for mod in mods])
-                biases = [mod.bias for mod in mods]
-                bias = None
-                if any(b is not None for b in biases):
-                    bias = torch.cat([mod.weight.new_zeros(mod.weight.shape[0]) if mod.bias is None
-                                      else mod.bias.detach() for mod in mods])
-                fused[name] = Linear(weight, bias, pack_weight(weight))
-            self._joined = (key, fused)
+            self._joined = (key, {name: Linear.joined(mods) for name, mods in groups.items()})
         return self._joined[1]
 
     def _rope_rows(self, start: int, end: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -183,6 +183,13 @@ class Linear:
     bias: torch.Tensor | None
     packed: torch.Tensor | None = None  # `weight` laid out once for its GEMM library (`pack_weight`)
 
+    @classmethod
+    def joined(cls, modules: list[torch.nn.Module]) -> Linear:
+        """Linear layers that read the same input as one GEMM (`batch_invariant.joined_weight`),
+        laid out once (`pack_weight`)."""
+        weight, bias = batch_invariant.joined_weight(modules)
+        return cls(weight, bias, pack_weight(weight))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return _matmul(x, self.weight, self.bias, self.packed)
 
@@ -223,6 +230,13 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
 
+def weight_key(w: torch.Tensor) -> tuple[Any, ...]:
+    """What changes when a weight does: a new tensor (also after a move or a cast), or an
+    in-place update (inference tensors keep no version counter). Copies laid out from it are
+    rebuilt when it changes."""
+    return w.data_ptr(), w.dtype, w.device, -1 if w.is_inference() else w._version
+
+
 class PackingLinear(torch.nn.Linear):
     """An nn.Linear (same parameters, same checkpoints) that, at CPU inference with 4 or more
     rows, multiplies through weights laid out once (`pack_weight`: MKL-packed fp32, ~25 % cheaper
@@ -230,7 +244,7 @@ class PackingLinear(torch.nn.Linear):
     on first use and again whenever the weight changes (training evaluates the live drafter
     between optimizer steps); with gradients on it is a plain nn.Linear."""
 
-    _packed: tuple[tuple[int, int], torch.Tensor | None] | None = None
+    _packed: tuple[tuple[Any, ...], torch.Tensor | None] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # The packed copy is an opaque MKL tensor: it cannot be copied or pickled, and is
@@ -243,9 +257,7 @@ class PackingLinear(torch.nn.Linear):
         rows = x.numel() // max(1, x.shape[-1])
         if torch.is_grad_enabled() or rows < PACKED_MIN_ROWS or torch.is_autocast_enabled(x.device.type):
             return super().forward(x)
-        # A new tensor, or an in-place update (inference tensors keep no version counter).
-        w = self.weight
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        key = weight_key(self.weight)
         if self._packed is None or self._packed[0] != key:
             self._packed = (key, pack_weight(self.weight))
         out = _matmul(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self._packed[1])
