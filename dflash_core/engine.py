@@ -25,7 +25,7 @@ from .events import BlockEvent, DraftStep, Finished
 from .fast_forward import Linear, pack_weight
 from .lookup import LookupRates, NgramIndex, with_lookup
 from .targets import Target
-from .verify import draw_uniforms, greedy_accept, logits_to_probs, sample, speculative_accept
+from .verify import draw_uniforms, greedy_accept, greedy_choice, logits_to_probs, sample, speculative_accept
 from .verify_length import (
     VerifyCost,
     choose_prefix,
@@ -347,7 +347,7 @@ class Engine:
         start = tcache.length
         logits, feats = self.target.tree_forward(ids, depths, visibility(tree, dev), tcache, layer_ids)
         if cfg.greedy:
-            choice = logits.argmax(-1)
+            choice = greedy_choice(logits)
         else:  # one draw per node; only the walked nodes' draws are used, each exactly the target's
             choice = sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen)
         path, tok = walk(tree, choice.tolist())  # the block's one sync
@@ -424,7 +424,7 @@ class Engine:
     @staticmethod
     def _choose(logits: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -> torch.Tensor:
         if cfg.greedy:
-            return logits.argmax(-1)
+            return greedy_choice(logits)
         return sample(logits_to_probs(logits, cfg.temperature, cfg.top_k, cfg.top_p), gen)
 
     def _event(self, index: int, start: int, draft: Draft | None, accepted: int, token: int,

@@ -38,12 +38,19 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return _inverse_cdf_rows(probs, u)
 
 
+def greedy_choice(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first index among equal maxima as `argmax` gives. `max(-1)` finds
+    the same index ~3x faster on a CPU (a 49k-token row: ~40 against ~130 µs; a 14-row tree pass
+    pays that per row), and greedy decoding is exact only if every path chooses alike."""
+    return logits.max(-1).indices
+
+
 def greedy_accept(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """draft [B-1]; target_logits [B, V] at the block's positions 0..B-1.
 
     Returns (accepted count, the target's token after the accepted prefix), both 0-d tensors.
     """
-    choice = target_logits.argmax(-1)
+    choice = greedy_choice(target_logits)
     accepted = (draft == choice[:-1]).int().cumprod(0).sum()
     return accepted, choice[accepted]
 

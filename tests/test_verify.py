@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_core.verify import greedy_accept, logits_to_probs, sample, speculative_accept
+from dflash_core.verify import greedy_accept, greedy_choice, logits_to_probs, sample, speculative_accept
 
 V = 6
 
@@ -35,6 +35,18 @@ def test_greedy_accept(draft: list[int], target: list[int], accepted: int, token
     acc, tok = greedy_accept(torch.tensor(draft), one_hot_logits(target))
     assert acc.dim() == 0 and tok.dim() == 0
     assert (int(acc), int(tok)) == (accepted, token)
+
+
+def test_greedy_choice_is_argmax_on_ties_and_edge_rows() -> None:
+    # bf16 logits tie often: every path must pick the same (first) index as torch.argmax.
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 7, 33):
+        logits = torch.randint(-3, 4, (n, 500), generator=gen).float()
+        assert torch.equal(greedy_choice(logits), logits.argmax(-1))
+    edge = torch.full((3, 5), float("-inf"))
+    edge[1, 3] = float("nan")
+    edge[2] = torch.tensor([2.0, 9.0, 9.0, float("inf"), float("inf")])
+    assert greedy_choice(edge).tolist() == edge.argmax(-1).tolist() == [0, 3, 3]
 
 
 # ----- logits_to_probs -----
