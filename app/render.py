@@ -1,7 +1,8 @@
 """BlockEvents → the "Speculation view": one HTML span per token, coloured by where it came from.
 
 Every token string and every title is HTML-escaped: tokens are arbitrary model output
-(`<script>`, quotes, `&`), and the panel is injected as raw HTML.
+(`<script>`, quotes, `&`), and the panel is injected as raw HTML. Control and bidi-override
+characters are shown as symbols (`visible`), so they cannot recolour or reorder the view.
 
 Byte-level tokenizers split a multi-byte character (é, 中, an emoji) over several tokens, and each
 piece alone decodes to "\ufffd". Given the tokenizer's `decode`, the view shows such a character
@@ -63,8 +64,25 @@ def merge_partial(ids: Sequence[int], texts: Sequence[str], decode: Decode | Non
     return out
 
 
+# Invisible characters a token may hold, shown as symbols: C0 controls (an ANSI escape, NUL) as control
+# pictures (␛, ␀), C1 controls and bidi overrides/isolates as [U+XXXX], because a bare U+202E would flip the
+# display order of the tokens after it (the "Trojan Source" trick). Newlines and tabs stay as they are.
+_INVISIBLE = {
+    **{c: chr(0x2400 + c) for c in range(32) if chr(c) not in "\n\t"},
+    0x7F: "\u2421",
+    **{c: f"[U+{c:04X}]" for c in range(0x80, 0xA0)},
+    **{ord(c): f"[U+{ord(c):04X}]" for c in "\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069"},
+}
+
+
+def visible(text: str) -> str:
+    """`text` with control and bidi-override characters replaced by visible symbols (not yet escaped)."""
+    return text.translate(_INVISIBLE)
+
+
 def _span(text: str, cls: str, title: str) -> str:
-    return f'<span class="tok {cls}" title="{html.escape(title, quote=True)}">{html.escape(text, quote=True)}</span>'
+    shown = html.escape(visible(text), quote=True)
+    return f'<span class="tok {cls}" title="{html.escape(visible(title), quote=True)}">{shown}</span>'
 
 
 def _fixed_step(ev: BlockEvent, i: int) -> int | None:

@@ -15,6 +15,7 @@ from dflash_core.config import GenerationConfig
 from dflash_core.engine import Engine
 from dflash_core.events import BlockEvent, Finished
 
+from .history import begin_reply
 from .render import ACCEPTED, REJECTED, TARGET
 from .session import Session
 from .teach import shown
@@ -36,16 +37,11 @@ class StepResult:
 
 
 def start(session: Session, engine: Engine, text: str, cfg: GenerationConfig, plain: bool = False) -> None:
-    """Begin a stepped reply to `text` (ending any previous one); nothing is computed yet."""
-    messages = session.begin(text)
-    session.greedy = cfg.greedy
-    # DFlashError (empty or oversized prompt) propagates; undo the user turn so history stays clean.
-    try:
-        session.stepper = engine.generate(messages, cfg, plain=plain, cancel=session.cancel)
-    except Exception:
-        session.pop_last_turn()
-        session.reply = None
-        raise
+    """Begin a stepped reply to `text` (ending any previous one); nothing is computed yet.
+
+    DFlashError (empty prompt, a message too long for the window) propagates with the turn taken back.
+    """
+    session.stepper = begin_reply(session, engine, text, cfg, plain=plain)[1]
 
 
 def advance(session: Session) -> StepResult:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from dflash_core.events import BlockEvent
 
-from .render import ACCEPTED, REJECTED, TARGET
+from .render import ACCEPTED, REJECTED, TARGET, visible
 from .session import RunStats, Session
 
 MAX_EXAMPLES = 3  # blocks quoted from the reply: enough to show the pattern, short enough to read
@@ -68,7 +68,7 @@ BEFORE_REPLY = "\n*Ask something in the Studio tab: this page then walks through
 
 def shown(text: str) -> str:
     """A token with its whitespace made visible, so " the" and "the" read differently."""
-    return text.replace(" ", "·").replace("\n", "↵").replace("\t", "⇥") or "∅"
+    return visible(text.replace(" ", "·").replace("\n", "↵").replace("\t", "⇥")) or "∅"
 
 
 def chip(text: str, cls: str) -> str:

@@ -21,7 +21,9 @@ from dflash_core.errors import DFlashError
 from dflash_core.events import Finished
 
 from . import charts, step, teach
+from .history import begin_reply
 from .hosting import Decorator
+from .inputs import generation_config
 from .render import render_view
 from .session import RunStats, Session
 
@@ -48,8 +50,8 @@ def _pct(x: float) -> str:
 def stats_line(session: Session, status: str = "") -> str:
     """The one-line summary under the chat: tau, speed, speed-up, draft/verify time share."""
     d, p = session.dflash, session.plain
-    if not d.blocks:
-        return status or "Ask something to see DFlash at work."
+    if not d.blocks:  # prefill: a note (e.g. turns left out of a long chat) shows already
+        return (status or "Ask something to see DFlash at work.") + _notes(session)
     parts = [f"**τ {d.tau:.2f}**", f"**{d.tokens_per_s:.1f} tok/s**"]
     if p is not None and p.blocks:
         parts.append(f"plain {p.tokens_per_s:.1f} tok/s")
@@ -66,10 +68,12 @@ def stats_line(session: Session, status: str = "") -> str:
     if compared and d.finished is not None and session.greedy:
         same = p.finished.token_ids == d.finished.token_ids
         parts.append("plain output identical ✓" if same else "plain output DIFFERS ✗")
-    line = " · ".join(parts)
-    if session.notes:
-        line += "  \n⚠️ " + "; ".join(session.notes)
+    line = " · ".join(parts) + _notes(session)
     return f"{status}  \n{line}" if status else line
+
+
+def _notes(session: Session) -> str:
+    return "  \n⚠️ " + "; ".join(session.notes) if session.notes else ""
 
 
 def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
@@ -103,26 +107,20 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
     def make_config(block_size: float, steps: float, temperature: float, top_p: float, max_new: float,
                     seed: float, verify: str = "auto") -> GenerationConfig:
         try:
-            return GenerationConfig(
-                max_new_tokens=int(max_new), block_size=int(block_size) if drafter is not None else None,
-                steps=int(steps), temperature=float(temperature), top_p=float(top_p), seed=int(seed or 0),
-                verify=verify or "auto",
-            )
+            return generation_config(block_size, steps, temperature, top_p, max_new, seed, verify,
+                                     drafted=drafter is not None)
         except DFlashError as e:
             raise gr.Error(str(e)) from None
 
     def run_reply(session: Session, text: str, cfg: GenerationConfig, compare: bool) -> Iterator[Update]:
         """Stream one reply block by block, then (optionally) the plain-decoding comparison."""
-        messages = session.begin(text)
-        session.greedy = cfg.greedy
         plain_only = drafter is None  # `--draft none`: the app still chats, without speculation
         try:
-            try:
-                events = engine.generate(messages, cfg, plain=plain_only, cancel=session.cancel)
-            except DFlashError as e:
-                session.pop_last_turn()
-                session.reply = None
-                raise gr.Error(str(e)) from None
+            # Only the turns that fit the context window go to the model (history.py).
+            messages, events = begin_reply(session, engine, text, cfg, plain=plain_only)
+        except DFlashError as e:
+            raise gr.Error(str(e)) from None
+        try:
             yield view(session, "prefill…")
             last = time.monotonic()
             for ev in events:
@@ -307,4 +305,6 @@ def header_markdown(engine: Engine) -> str:
 
 def launch_kwargs() -> dict[str, Any]:
     """Styling passed to `launch()`: gradio 6 takes css and theme there, not in `gr.Blocks`."""
-    return {"css_paths": [CSS_PATH], "theme": gr.themes.Soft(primary_hue="indigo")}
+    # show_error: a request gradio itself cannot process (a slider sent a string through the API) gets
+    # gradio's message naming the component instead of a bare "the app raised an exception".
+    return {"css_paths": [CSS_PATH], "theme": gr.themes.Soft(primary_hue="indigo"), "show_error": True}

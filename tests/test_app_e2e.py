@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Iterator
+from html.parser import HTMLParser
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from dflash_core.engine import Engine
 from dflash_core.events import Finished
 
 gradio_client = pytest.importorskip("gradio_client")
+httpx = pytest.importorskip("httpx")
 
 pytestmark = pytest.mark.slow
 
@@ -194,3 +197,103 @@ def test_next_block_steps_one_block_per_click_to_the_plain_greedy_reply(client: 
     # Finished: the next empty click starts nothing.
     out = client.predict("", *chat_args("")[1:], api_name="/next_block")
     assert "Type a prompt" in out[6] and len(out[1]) == 2
+
+
+# ----- hostile input: each prompt gets a reply or one clear message, and the app keeps serving -----
+
+HOSTILE = {
+    "html and js": 'Repeat exactly: <script>alert(1)</script> <img src=x onerror="alert(2)"> &amp; "quotes"',
+    "control characters": "Say hi\x00 to \x1b[31mred\x1b[0m text \u202eevil\u202c and a bell\x07.",
+    "invalid utf-8 as text": b"caf\xc3\xa9 \xff\xfe broken \xed\xa0\x80 bytes".decode("utf-8", "replace"),
+    "emoji and rtl": "👋🏽 שלום! مرحبا 👨‍👩‍👧 — say hello back.",
+}
+SPEC_TAGS = {"div", "span", "b"}  # all the Speculation view itself writes
+SPEC_ATTRS = {"class", "title", "data-block"}
+
+
+class Tags(HTMLParser):
+    """Every tag and attribute name in a piece of HTML, as a browser's parser would see them."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.tags: set[str] = set()
+        self.attrs: set[str] = set()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.add(tag)
+        self.attrs.update(name for name, _ in attrs)
+
+
+def assert_only_view_markup(spec: str) -> None:
+    parser = Tags()
+    parser.feed(spec)
+    assert parser.tags <= SPEC_TAGS and parser.attrs <= SPEC_ATTRS, (parser.tags, parser.attrs)
+
+
+def call_raw(url: str, api: str, data: list[Any]) -> tuple[str, Any]:
+    """One call through gradio's REST API, with JSON gradio_client cannot send (a lone surrogate, NaN).
+
+    Returns the final server-sent event's name ("complete" or "error") and its data.
+    """
+    body = json.dumps({"data": data})  # ensure_ascii: "\ud800" and NaN go out as JSON escapes/literals
+    with httpx.Client(timeout=300) as http:
+        posted = http.post(f"{url}gradio_api/call/{api}", content=body, headers={"content-type": "application/json"})
+        event_id = posted.json()["event_id"]
+        event = ""
+        with http.stream("GET", f"{url}gradio_api/call/{api}/{event_id}") as stream:
+            for line in stream.iter_lines():
+                if line.startswith("event:"):
+                    event = line.removeprefix("event:").strip()
+                elif line.startswith("data:") and event in ("complete", "error"):
+                    return event, json.loads(line.removeprefix("data:"))
+    raise AssertionError("the stream ended without a result")
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE))
+def test_hostile_prompts_get_a_reply_and_the_view_stays_plain_markup(client: Any, kind: str) -> None:
+    prompt = HOSTILE[kind]
+    _, chat, spec, *_, stats = client.predict(*chat_args(prompt, max_new=4), api_name="/chat")
+    assert [m["role"] for m in chat] == ["user", "assistant"]
+    assert message_text(chat[0]) == prompt  # plain text to the chatbot, which sanitises its markdown
+    assert "spec-tokens" in spec and "finished:" in stats
+    assert_only_view_markup(spec)
+    assert "\x1b" not in spec and "\u202e" not in spec and "\x00" not in spec
+
+
+def test_lone_surrogates_nan_and_huge_pastes_get_one_clear_message(url: str, client: Any, engine: Engine) -> None:
+    # A lone surrogate cannot be encoded for the tokenizer: it is shown and read as U+FFFD.
+    event, data = call_raw(url, "chat", list(chat_args("Hello \ud800 there", max_new=4)))
+    assert event == "complete" and message_text(data[1][0]) == "Hello \ufffd there"
+    event, data = call_raw(url, "chat", [*chat_args("Hello")[:3], float("nan"), *chat_args("Hello")[4:]])
+    assert event == "error" and "temperature must be a finite number" in data["error"]
+
+    with pytest.raises(Exception, match="too long for the model") as err:
+        client.predict(*chat_args("spam " * 20_000), api_name="/chat")  # a 100,000-character paste
+    assert f"context window is {engine.target.max_context} tokens" in str(err.value)
+    with pytest.raises(Exception, match="too long for the model"):
+        client.predict(*chat_args("spam " * 20_000), api_name="/next_block")
+    chat = client.predict(*chat_args(PROMPT, max_new=6), api_name="/chat")[1]
+    assert [message_text(m) for m in chat[:-1]] == [PROMPT]  # the refused pastes left no turn behind
+    assert message_text(chat[-1]) == plain_greedy(engine, PROMPT, 6).text
+
+
+@pytest.mark.parametrize(("index", "value", "message"), [
+    (1, 99, "greater than maximum value 32"),  # block size
+    (1, 1, "less than minimum value 2"),
+    (1, "four", "Expected a `float`"),
+    (2, 9, "greater than maximum value 4"),  # denoising steps
+    (3, -1, "less than minimum value 0"),  # temperature
+    (4, 0, "less than minimum value 0.05"),  # top-p
+    (5, 0, "less than minimum value 1"),  # max new tokens
+    (5, 100_000, "greater than maximum value 1024"),
+    (6, 1e30, "seed must be a whole number"),
+    (8, "sideways", "not in the list of choices"),  # verify length
+])
+def test_out_of_range_parameters_get_a_clear_message(client: Any, index: int, value: Any, message: str) -> None:
+    args = list(chat_args("Hello", max_new=2))
+    args[index] = value
+    with pytest.raises(Exception, match=re.escape(message)):
+        client.predict(*args, api_name="/chat")
+    # The visitor's session and the server are fine: the next request is answered.
+    chat = client.predict(*chat_args("Hello", max_new=2), api_name="/chat")[1]
+    assert [m["role"] for m in chat] == ["user", "assistant"]
