@@ -40,7 +40,6 @@ def main(argv: list[str] | None = None) -> int:
     print("[dflash] loading the engine (torch, target, drafter) ...", flush=True)
     t0 = time.perf_counter()
     import dflash_core  # imported here so --help answers without loading torch
-    from dflash_core.verify_length import resolve_mode
 
     target = hosting.pick_target(args.target)
     if target != args.target:
@@ -56,14 +55,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     drafter = engine.drafter
     print(f"[dflash] target {engine.target.name} on {engine.target.device} ({engine.target.dtype}, "
-          f"{engine.target.fast_path_note}); "
+          f"{engine.target.forward_note}); "
           f"drafter: {'none' if drafter is None else f'block size {drafter.block_size}'} "
           f"— ready in {time.perf_counter() - t0:.1f} s", flush=True)
     for note in engine.warnings:
         print(f"[dflash] warning: {note}", flush=True)
     # Now rather than in the first reply: sized verification needs the target's pass times, for the
     # mode the app's default settings (greedy, one denoising step) resolve to.
-    mode = resolve_mode("auto", engine.target.device, greedy=True, tree_ok=engine.target.supports_tree)
+    mode = engine.verify_mode(dflash_core.GenerationConfig())
     t1 = time.perf_counter()
     cost = None if drafter is None else engine.cost_table(mode, drafter.block_size)
     if cost is not None:

@@ -5,7 +5,7 @@ another machine, from a JSON that came back from a GPU run:
 
     python -m app.bench_report bench/results.json --html bench/report.html [--readme README.md]
 
-`dflash_core` never imports this module at import time: plotly is needed only for --html.
+`dflash_core` imports this module only for `bench --html` (`__main__.html_writer`): the engine needs no plotly.
 """
 
 from __future__ import annotations

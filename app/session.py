@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_core.events import BlockEvent, Finished
+from dflash_core.events import BlockEvent, Finished, tau
 
 Message = dict[str, str]
 
@@ -78,8 +78,7 @@ class RunStats:
     @property
     def tau(self) -> float:
         """Mean tokens committed per draft block (accepted + 1), as in the DFlash paper."""
-        blocks = self.draft_blocks
-        return sum(b.accepted + 1 for b in blocks) / len(blocks) if blocks else 1.0
+        return tau(b.accepted for b in self.draft_blocks)
 
     @property
     def draft_share(self) -> float:

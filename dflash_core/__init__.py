@@ -4,7 +4,8 @@ Data flow: `load()` → `Engine.generate(prompt, GenerationConfig)` → `BlockEv
 """
 
 from .config import GenerationConfig
-from .drafter import DFlashConfig, DFlashDrafter, load_drafter
+from .drafter import DFlashDrafter, load_drafter
+from .drafter_config import DFlashConfig
 from .engine import Engine
 from .errors import DFlashError
 from .events import BlockEvent, DraftStep, Finished

@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -27,19 +29,31 @@ EXIT_INTERRUPTED = 130
 
 # ----- shared options -----
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help ends with its default, unless the help already says it; a flag's is "off"."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is argparse.SUPPRESS or action.required:
+            return text
+        shown = "off" if action.nargs == 0 and not isinstance(action, argparse.BooleanOptionalAction) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
 def model_options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("model")
     g.add_argument("--target", default=None, metavar="ID|PATH",
-                   help="target LLM: 'embedded' (SmolLM2-135M-Instruct, the default), a folder or a hub id")
+                   help="target LLM: 'embedded' (SmolLM2-135M-Instruct), a folder or a hub id (default: embedded)")
     g.add_argument("--draft", default=None, metavar="ID|PATH|none",
-                   help="DFlash drafter folder or hub id; 'none' for plain decoding only")
+                   help="DFlash drafter folder or hub id; 'none' for plain decoding only (default: the shipped "
+                        "drafter for the embedded target; other targets need one)")
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: cuda if available)")
     g.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: auto)")
     g.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the target's short passes (verify blocks, plain steps) as CUDA graphs "
-                        "(default: DFLASH_CUDA_GRAPHS=1; not yet measured on a GPU). On a CPU: the same "
-                        "static passes run eagerly, slower, for checking them")
+                        "(default: off; not yet measured on a GPU). On a CPU: the same static passes run "
+                        "eagerly, slower, for checking them")
     return p
 
 
@@ -49,21 +63,24 @@ def decoding_options(max_new_tokens: int) -> argparse.ArgumentParser:
     g.add_argument("--block-size", type=int, default=None, metavar="N",
                    help="DFlash block size B (default: the drafter's)")
     g.add_argument("--steps", type=int, default=1, metavar="N",
-                   help="denoising steps per block (1 = DFlash as published)")
+                   help="denoising steps per block (1: DFlash as published)")
     g.add_argument("--verify", choices=VERIFY_MODES, default="auto",
                    help="how many draft tokens the target checks: full (the whole block), adaptive (the prefix "
                         "worth a pass on this machine), tree-full (a tree of B-1 candidates: the drafter's "
                         "likeliest alternatives too), tree (as many candidates as pay on this machine), auto "
                         "(default: on CPU tree when greedy, adaptive when sampling; full on GPU); trees need "
-                        "--steps 1 and the lean forward")
+                        "--steps 1 and the fast forward")
     g.add_argument("--no-lookup", dest="lookup", action="store_false",
                    help="trees: leave out lookup candidates (prompt lookup and the drafter's n-gram table), "
                         "drafter only")
-    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    g.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
-    g.add_argument("--seed", type=int, default=0, metavar="S")
-    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N")
+    g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="nucleus sampling: draw from the likeliest tokens whose probabilities add up to P (1: off)")
+    g.add_argument("--top-k", type=int, default=0, metavar="K", help="draw from the K likeliest tokens only (0: off)")
+    g.add_argument("--seed", type=int, default=0, metavar="S",
+                   help="random seed for sampling: the same seed gives the same reply")
+    g.add_argument("--max-new-tokens", type=int, default=max_new_tokens, metavar="N",
+                   help="most tokens to generate per reply")
     return p
 
 
@@ -166,12 +183,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", parents=[model_options(), decoding_options(256)],
+    p = sub.add_parser("generate", parents=[model_options(), decoding_options(256)], formatter_class=HelpFormatter,
                        help="generate a reply, streamed to stdout; stats go to stderr",
                        description="Generate one reply with DFlash (or --plain) decoding.")
     p.add_argument("--prompt", required=True, help="the user message")
     p.add_argument("--stop", nargs="+", action="extend", default=[], metavar="STR",
-                   help="stop when the reply contains any of these strings")
+                   help="stop when the reply contains any of these strings (default: none)")
     p.add_argument("--plain", action="store_true", help="plain autoregressive decoding (the baseline)")
     p.set_defaults(func=cmd_generate)
 
@@ -184,10 +201,26 @@ def bench_command(args: argparse.Namespace) -> str:
     return "python -m dflash_core " + shlex.join(argv)
 
 
+def default_report_path(prompt_set: str) -> Path:
+    """`bench-<set>-<local time>.json` in the current folder (a JSONL set is named by its file's
+    stem): the time keeps a run from overwriting an earlier one's report."""
+    return Path(f"bench-{Path(prompt_set).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def html_writer() -> Callable[..., Path]:
+    """The HTML report's writer, imported only for --html: the engine itself needs neither plotly
+    nor the app's package."""
+    try:
+        from app.bench_report import write_html
+    except ImportError as e:
+        need = ("plotly (pip install plotly)" if (e.name or "").startswith("plotly")
+                else "DFlash Studio's app/ package on the Python path (run from the repository root)")
+        raise DFlashError(f"--html needs {need}: {e}") from None
+    return write_html
+
+
 def _shown_path(spec: str) -> str:
     """A drafter folder inside the working directory as a relative path: reports name no home folder."""
-    from pathlib import Path
-
     try:
         return str(Path(spec).resolve().relative_to(Path.cwd().resolve()))
     except (ValueError, OSError):
@@ -195,8 +228,6 @@ def _shown_path(spec: str) -> str:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import importlib.util
-
     from . import bench, bench_stats
     from .prompt_sets import load_prompt_set
 
@@ -210,14 +241,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not dflash:
         raise DFlashError("--methods must include dflash or dflash-bN[-sK] (the method this report is about)")
     prompts = load_prompt_set(args.prompts, args.limit, args.skip)
+    out = args.out or default_report_path(args.prompts)
     # Every output is checked before the run, so an hour of benchmarking never ends in a write error.
-    for path in (args.out, args.html, args.readme):
+    for path in (out, args.html, args.readme):
         if path:
             bench.check_writable(path)
     if args.readme:
         bench_stats.check_readme(args.readme, bench_stats.region_name(args.prompts, args.temperature))
-    if args.html and importlib.util.find_spec("plotly") is None:
-        raise DFlashError("--html needs plotly: pip install plotly")
+    write_html = html_writer() if args.html else None
     engine = load_engine(args)
     assert engine.drafter is not None
     methods = bench.make_methods(engine, [s.name for s in specs], config)
@@ -241,10 +272,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "command": bench_command(args),
         **bench.environment(engine),
     })
-    written = [bench.write_report(args.out, summary, per_prompt)]
-    if args.html:
-        from app.bench_report import write_html  # plotly only when asked for: the engine never needs it
-
+    written = [bench.write_report(out, summary, per_prompt)]
+    if write_html is not None:
         written.append(write_html(args.html, summary, per_prompt))
     if args.readme:
         written.append(bench_stats.write_readme(args.readme, summary))
@@ -262,27 +291,29 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def add_bench(sub: argparse._SubParsersAction) -> None:
     from .bench_stats import METHOD_HELP
 
-    p = sub.add_parser("bench", parents=[model_options(), decoding_options(256)],
+    p = sub.add_parser("bench", parents=[model_options(), decoding_options(256)], formatter_class=HelpFormatter,
                        help="time plain vs DFlash decoding (and transformers' peers) on a prompt set",
                        description="Benchmark decoding methods on the same prompts, target and run; writes a "
                                    "JSON report, optionally a self-contained HTML report and the README table.")
     p.add_argument("--prompts", "--set", dest="prompts", required=True, metavar="FILE.jsonl|humaneval|gsm8k",
                    help='JSONL of {"prompt": str} or {"turns": [str, ...]}, or a built-in set')
-    p.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts")
+    p.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts (default: all)")
     p.add_argument("--skip", type=int, default=0, metavar="N",
                    help="leave out the first N prompts (before --limit), e.g. to measure a drafter on "
                         "prompts the README tables do not use")
-    p.add_argument("--out", "--json", dest="out", required=True, metavar="R.json",
-                   help="where to write the JSON report")
+    p.add_argument("--out", "--json", dest="out", default=None, metavar="R.json",
+                   help="where to write the JSON report (default: bench-SET-YYYYmmdd-HHMMSS.json in the current "
+                        "folder, SET the prompt set's name; never overwrites an earlier run's)")
     p.add_argument("--html", default=None, metavar="R.html",
-                   help="also write a self-contained HTML report with charts (opens offline)")
+                   help="also write a self-contained HTML report with charts (opens offline; needs plotly and "
+                        "the app/ folder) (default: none)")
     p.add_argument("--readme", default=None, metavar="README.md",
-                   help="rewrite the results table between <!-- bench:start --> and <!-- bench:end --> there")
-    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds per method (default 1)")
+                   help="rewrite the results table between <!-- bench:start --> and <!-- bench:end --> there "
+                        "(default: none)")
+    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds per method")
     p.add_argument("--methods", default="plain,dflash", metavar="A,B,...",
                    help=f"comma list from {METHOD_HELP}; the first is the baseline for speed-ups and exact "
-                        "matches (default plain,dflash; all = plain, hf-generate, prompt-lookup, dflash-b4/b8/b16 "
-                        "with 1 and 2 steps)")
+                        "matches (all = plain, hf-generate, prompt-lookup, dflash-b4/b8/b16 with 1 and 2 steps)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 
@@ -297,9 +328,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
-    from .train.run import add_train_arguments
+    from .train.args import add_train_arguments
 
-    p = sub.add_parser("train", help="top up data, train a drafter, measure its tau with real speculative decoding",
+    p = sub.add_parser("train", formatter_class=HelpFormatter,
+                       help="top up data, train a drafter, measure its tau with real speculative decoding",
                        description="Train a DFlash drafter for a target in one command (resumable); writes a "
                                    "z-lab checkpoint and train_report.json into --out.")
     add_train_arguments(p)

@@ -20,14 +20,13 @@ near-tie every few hundred tokens. This module computes so that it cannot:
   level by level (`_pairwise_sum`), so trailing all-masked chunks add exact zeros.
 
 `FastForward` checks the result on the model itself when it is built (`rows_agree`): a verify pass
-and a tree pass must give plain decoding's logits bit for bit, or the lean path falls back to
+and a tree pass must give plain decoding's logits bit for bit, or the fast forward falls back to
 float32. Everything else in a layer (norms, RoPE, SiLU, residual adds) works row by row already.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,10 +39,7 @@ CHUNK = 64  # key positions per attention chunk (a multiple of 16: exp and sums 
 
 @functools.cache
 def amx_bf16_available() -> bool:
-    """This CPU multiplies bf16 in AMX tiles and torch's oneDNN can use them
-    (`DFLASH_CPU_BF16=0` says no)."""
-    if os.environ.get("DFLASH_CPU_BF16", "1") == "0":
-        return False
+    """This CPU multiplies bf16 in AMX tiles and torch's oneDNN can use them."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:

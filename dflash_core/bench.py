@@ -35,7 +35,7 @@ from .bench_stats import (  # noqa: F401  (re-exported: the runner's callers rea
 from .config import GenerationConfig
 from .engine import Engine
 from .errors import DFlashError
-from .events import Finished
+from .events import Finished, tau
 from .prompt_sets import Turns
 from .verify_length import resolve_mode
 
@@ -82,8 +82,7 @@ def engine_method(engine: Engine, name: str, *, plain: bool, block_size: int | N
             result.replies.append(fin.text)
             result.seconds += fin.elapsed_s  # the engine's clock: prefill included, our bookkeeping not
         if not plain:
-            acc = result.accepted
-            result.tau = sum(a + 1 for a in acc) / len(acc) if acc else 1.0
+            result.tau = tau(result.accepted)
         return result
 
     return Method(name=name, run=run, kind="plain" if plain else "dflash",
@@ -156,10 +155,6 @@ def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"
     return methods
 
 
-def default_methods(engine: Engine) -> list[Method]:
-    return make_methods(engine, ("plain", "dflash"))
-
-
 def run_methods(prompts: Sequence[Turns], methods: Sequence[Method], config: GenerationConfig, *,
                 warmup: int = 1, progress: bool = True) -> list[dict[str, RunResult]]:
     """Every method on every prompt, the order rotated per prompt."""
@@ -200,7 +195,7 @@ def environment(engine: Engine) -> dict[str, Any]:
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "target_forward": engine.target.fast_path_note,
+        "target_forward": engine.target.forward_note,
         "cuda_device": None,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }

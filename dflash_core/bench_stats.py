@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from .config import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE, TREE_MODES
 from .errors import DFlashError
+from .events import tau
 from .prompt_sets import Turns
 
 PROMPT_PREVIEW_CHARS = 200
@@ -129,13 +130,15 @@ def accept_histogram(accepted: Sequence[int], block_size: int) -> list[int]:
     return hist
 
 
-def tau_of(results: Sequence[RunResult]) -> float | None:
-    """Block-weighted tau over a run; None for a method that does not draft."""
+def pooled_tau(results: Sequence[RunResult]) -> float | None:
+    """tau over every draft block of a method's runs, pooled (a long reply weighs more than a
+    short one, unlike a mean of the per-prompt taus); None for a method that does not draft.
+    Results without per-block counts are weighted by their blocks."""
     if all(r.tau is None for r in results):
         return None
     accepted = [a for r in results for a in r.accepted]
     if accepted:
-        return sum(a + 1 for a in accepted) / len(accepted)
+        return tau(accepted)
     blocks = sum(r.blocks for r in results if r.tau is not None)
     return sum(r.tau * r.blocks for r in results if r.tau is not None) / blocks if blocks else 1.0
 
@@ -171,7 +174,7 @@ def method_stats(m: MethodLike, runs: Sequence[RunResult], base: Sequence[RunRes
         "tokens_per_s_mean": statistics.fmean(rates) if rates else 0.0,
         "speedup": _per_token_s(base) / cost,
         "exact_matches": sum(r.ids == b.ids for r, b in zip(runs, base, strict=True)),
-        "tau": tau_of(runs), "tau_hist": None, "draft_ms_per_block": None, "verify_ms_per_block": None,
+        "tau": pooled_tau(runs), "tau_hist": None, "draft_ms_per_block": None, "verify_ms_per_block": None,
         "step_ms": None, "bound": None, "achieved": None,
     }
     if s["tau"] is None:

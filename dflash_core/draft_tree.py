@@ -11,9 +11,9 @@ EAGLE-2's dynamic trees).
 A node's score is the product of the drafter's calibrated probabilities along its path: its
 estimate that the target walks through the node, so the sum of the scores of a tree is its
 expected number of accepted drafts. The drafter's raw probabilities are a little overconfident
-(measured in session 23 on the shipped drafter, HumanEval and GSM8K prompts 6-20: a candidate
+(measured on the shipped drafter, HumanEval and GSM8K prompts 6-20: a candidate
 given 0.39 where its parent was walked was walked 31 % of the time, one given 0.81, 73 %), so
-each is raised to the power `CALIBRATION` first (0.39 -> 0.29, 0.81 -> 0.76); overrated nodes
+each is raised to the power `DRAFTER_CALIBRATION` first (0.39 -> 0.29, 0.81 -> 0.76); overrated nodes
 would make trees larger than pays. Best-first growth adds nodes
 in non-increasing score order, so every prefix of the node list is itself a tree (a parent
 always comes before its children) and sizing a tree is choosing a prefix length, by the same
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 BRANCHING = 8  # children tried per node: the top-8 tokens at the next position
-CALIBRATION = 1.3  # power on the drafter's probabilities (see the module text)
+DRAFTER_CALIBRATION = 1.3  # power on the drafter's probabilities (see the module text)
 
 
 def max_tree_nodes(block: int, sized: bool) -> int:

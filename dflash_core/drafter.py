@@ -4,16 +4,12 @@ Every layer's keys/values are [projected target context ; block tokens]; queries
 the block only, and attention inside the block is bidirectional. The target context is the
 target's hidden states at `target_layer_ids`, concatenated, through `fc` and `hidden_norm`.
 The block is embedded with the target's frozen embedding and read out with its frozen LM
-head, so a checkpoint holds neither. Checkpoints use the published z-lab layout, so vLLM
-and SGLang load ours and we load theirs.
+head, so a checkpoint holds neither (drafter_io.py reads and writes checkpoints).
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,161 +17,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import DraftCache
-from .corpus import FILE_NAME as CORPUS_FILE
 from .corpus import CorpusNgrams, load_corpus
-from .errors import DFlashError
-from .fast_forward import Linear, PackingLinear, weight_key
-
-WEIGHTS_NAME = "model.safetensors"
-# Optional: the token ids the drafter drafts from (a JSON list). Not a weight file, so engines that
-# know only the z-lab layout (vLLM, SGLang) ignore it and draft over the full vocabulary.
-DRAFT_VOCAB_NAME = "draft_vocab.json"
-_REQUIRED = object()
-CONFIG_NAME = "config.json"
-
-
-def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """Layers spread from shallow to deep, as in the reference (`round(1 + i*(L-4)/(n-1))`)."""
-    if num_draft_layers == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
-
-
-@dataclass
-class DFlashConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    num_target_layers: int
-    target_layer_ids: list[int]
-    mask_token_id: int
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    max_position_embeddings: int = 40960
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # other fields, kept for round trips
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
-        d = dict(d)
-        dflash = d.pop("dflash_config", None) or {}
-        if not isinstance(dflash, dict):
-            raise DFlashError("drafter config.json: dflash_config must be an object")
-
-        def take(key: str, cast: type = int, default: Any = _REQUIRED, src: dict[str, Any] = d) -> Any:
-            if key not in src and default is _REQUIRED:
-                raise DFlashError(f"drafter config.json lacks the field {key!r}")
-            value = src.pop(key, default) if src is d else src.get(key, default)
-            if value is None and default is not _REQUIRED:
-                return default
-            try:
-                return cast(value)
-            except (TypeError, ValueError):
-                raise DFlashError(f"drafter config.json: {key} = {value!r} is not a valid {cast.__name__}") from None
-
-        n_layers, n_target = take("num_hidden_layers"), take("num_target_layers")
-        hidden, heads = take("hidden_size"), take("num_attention_heads")
-        if min(n_layers, n_target, hidden, heads) < 1:
-            raise DFlashError("drafter config.json: layer counts, hidden size and heads must be positive")
-        ids = dflash.get("target_layer_ids") or default_target_layer_ids(n_target, n_layers)
-        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
-            raise DFlashError(f"drafter config.json: target_layer_ids must be a list of integers, got {ids!r}")
-        cfg = cls(
-            hidden_size=hidden,
-            intermediate_size=take("intermediate_size"),
-            num_hidden_layers=n_layers,
-            num_attention_heads=heads,
-            num_key_value_heads=take("num_key_value_heads", default=heads),
-            head_dim=take("head_dim", default=hidden // heads),
-            vocab_size=take("vocab_size"),
-            num_target_layers=n_target,
-            target_layer_ids=list(ids),
-            mask_token_id=take("mask_token_id", src=dflash),
-            block_size=take("block_size", default=16),
-            rms_norm_eps=take("rms_norm_eps", float, default=1e-6),
-            rope_theta=float(_rope_theta(d)),
-            max_position_embeddings=take("max_position_embeddings", default=40960),
-            bos_token_id=d.pop("bos_token_id", None),
-            eos_token_id=d.pop("eos_token_id", None),
-        )
-        d.pop("rope_theta", None)
-        d.pop("rope_parameters", None)
-        cfg.extra = d
-        return cfg
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        extra = d.pop("extra")
-        ids, mask = d.pop("target_layer_ids"), d.pop("mask_token_id")
-        out: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "attention_bias": False,
-            "attention_dropout": 0.0,
-            "hidden_act": "silu",
-            "tie_word_embeddings": False,
-            "use_cache": True,
-            "rope_scaling": None,
-            "dtype": "bfloat16",
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
-            "max_window_layers": self.num_hidden_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
-        }
-        out.update(extra)
-        out.update(d)
-        out["dflash_config"] = {"target_layer_ids": ids, "mask_token_id": mask}
-        return out
-
-
-def _rope_theta(d: dict[str, Any]) -> float:
-    # Published z-lab configs carry a top-level rope_theta; transformers 5 writes rope_parameters.
-    params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or params
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise DFlashError(f"drafter uses RoPE scaling {kind!r}; only the default RoPE is supported")
-    return d.get("rope_theta") or params.get("rope_theta") or 1_000_000.0
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim] (or broadcastable)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+from .drafter_config import DFlashConfig
+from .drafter_io import DRAFT_VOCAB_NAME, load_draft_vocab, read_config, read_weights, resolve, write_checkpoint
+from .layers import RMSNorm, apply_rope, rope_cos_sin
+from .packing import Linear, PackingLinear, weight_key
 
 
 class DraftAttention(nn.Module):
+    """Grouped-query attention with per-head q/k norms (Qwen3's), split into the steps
+    `forward_train` and `DFlashDrafter.step` combine differently."""
+
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
@@ -210,6 +62,8 @@ class DraftAttention(nn.Module):
 
 
 class DraftMLP(nn.Module):
+    """SwiGLU feed-forward."""
+
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.gate_proj = PackingLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -221,6 +75,8 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
+    """One pre-norm transformer layer's modules (the drafter's passes run them)."""
+
     def __init__(self, cfg: DFlashConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -377,25 +233,13 @@ class DFlashDrafter(nn.Module):
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
-    # ----- checkpoints (z-lab layout) -----
-
     def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> None:
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        cfg = self.config.to_dict()
-        cfg["dtype"] = str(dtype).removeprefix("torch.")
-        (folder / CONFIG_NAME).write_text(json.dumps(cfg, indent=2) + "\n")
-        state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
-        if self.draft_vocab is not None:
-            (folder / DRAFT_VOCAB_NAME).write_text(json.dumps(self.draft_vocab.tolist()) + "\n")
-        if self.corpus is not None:
-            self.corpus.save(folder)
+        """Write the checkpoint folder in the z-lab layout (weights in `dtype`, bf16 as published)."""
+        write_checkpoint(folder, self.config, self.state_dict(), dtype, self.draft_vocab, self.corpus)
 
 
 def init_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> DFlashDrafter:
+    """Seeded normal weights (norm scales 1): a drafter to train from, or to test with."""
     g = torch.Generator().manual_seed(seed)
     for name, p in drafter.named_parameters():
         with torch.no_grad():
@@ -406,121 +250,14 @@ def init_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> DF
     return drafter
 
 
-def _resolve(spec: str) -> Path:
-    """A local folder, or a hub id downloaded (config, weights and our optional extras) to the HF cache."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise DFlashError(f"drafter {spec!r}: no such folder (expected a folder with {CONFIG_NAME} "
-                          f"and {WEIGHTS_NAME}, or a Hugging Face id like z-lab/Qwen3-8B-DFlash-b16)")
-    try:
-        from huggingface_hub import snapshot_download
-
-        wanted = [CONFIG_NAME, "*.safetensors", DRAFT_VOCAB_NAME, CORPUS_FILE]
-        return Path(snapshot_download(spec, allow_patterns=wanted))
-    except Exception as e:
-        raise DFlashError(f"drafter {spec!r} is not a local folder and could not be fetched from the "
-                          f"Hugging Face hub ({type(e).__name__}: {e})") from None
-
-
 def load_drafter(spec: str | os.PathLike[str], device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    from safetensors.torch import load_file
-
-    folder = _resolve(str(spec))
-    cfg_file = folder / CONFIG_NAME
-    if not cfg_file.is_file():
-        raise DFlashError(f"drafter folder {folder} has no {CONFIG_NAME}")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{cfg_file} is not valid JSON: {e}") from None
-    if "DFlashDraftModel" not in (raw.get("architectures") or []):
-        raise DFlashError(f"{cfg_file} is not a DFlash drafter (architectures = {raw.get('architectures')})")
-    cfg = DFlashConfig.from_dict(raw)
+    """A drafter from a checkpoint folder or a Hugging Face id (drafter_io.resolve), in eval mode."""
+    folder = resolve(str(spec))
+    cfg = read_config(folder)
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
-    shards = sorted(folder.glob("*.safetensors"))
-    if not shards:
-        raise DFlashError(f"drafter folder {folder} has no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        state.update(load_file(str(shard)))
-    state = {k.removeprefix("model."): v for k, v in state.items()}
-    expected = set(drafter.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing:
-        raise DFlashError(f"drafter weights in {folder} lack {sorted(missing)[:5]} ({len(missing)} missing)")
-    for k in unexpected:  # e.g. an embedding some exporters add; we use the target's own
-        state.pop(k)
-    wrong = [f"{k}: weights {tuple(v.shape)}, config {tuple(drafter.state_dict()[k].shape)}"
-             for k, v in state.items() if tuple(v.shape) != tuple(drafter.state_dict()[k].shape)]
-    if wrong:
-        raise DFlashError(f"drafter weights in {folder} have the wrong shape for its config.json: "
-                          + "; ".join(wrong[:3]))
-    drafter.load_state_dict(state, assign=True)
+    drafter.load_state_dict(read_weights(folder, drafter.state_dict()), assign=True)
     drafter.draft_vocab = load_draft_vocab(folder / DRAFT_VOCAB_NAME, cfg.vocab_size)
     drafter.corpus = load_corpus(folder, cfg.vocab_size)
     return drafter.to(device=device, dtype=dtype).eval()
-
-
-def load_draft_vocab(path: Path, vocab_size: int) -> torch.Tensor | None:
-    if not path.is_file():
-        return None
-    try:
-        ids = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DFlashError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
-        raise DFlashError(f"{path} must be a non-empty list of token ids")
-    if len(set(ids)) != len(ids) or not all(0 <= i < vocab_size for i in ids):
-        raise DFlashError(f"{path}: token ids must be distinct and inside the vocabulary of {vocab_size}")
-    return torch.tensor(sorted(ids), dtype=torch.long)
-
-
-def check_fit(cfg: DFlashConfig, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
-    """Refuse a drafter built for another target, naming both values."""
-    problems = []
-    if cfg.hidden_size != hidden_size:
-        problems.append(f"hidden size: drafter {cfg.hidden_size}, target {hidden_size}")
-    if cfg.vocab_size != vocab_size:
-        problems.append(f"vocabulary: drafter {cfg.vocab_size}, target {vocab_size}")
-    if cfg.num_target_layers != num_layers:
-        problems.append(f"target depth: drafter trained for {cfg.num_target_layers} layers, target has {num_layers}")
-    bad = [i for i in cfg.target_layer_ids if not 0 <= i < num_layers]
-    if bad:
-        problems.append(f"target_layer_ids {bad} beyond the target's {num_layers} layers")
-    if not 0 <= cfg.mask_token_id < vocab_size:
-        problems.append(f"mask_token_id {cfg.mask_token_id} outside the target's vocabulary of {vocab_size}")
-    if problems:
-        raise DFlashError("drafter does not fit this target: " + "; ".join(problems))
-
-
-
-def config_for_target(target_config: Any, *, num_layers: int = 2, block_size: int = 16,
-                      mask_token_id: int, intermediate_size: int | None = None) -> DFlashConfig:
-    """A drafter shaped like the target's own layers (the usual choice), from its HF config."""
-    heads = int(target_config.num_attention_heads)
-    hidden = int(target_config.hidden_size)
-    n_target = int(target_config.num_hidden_layers)
-    rope = getattr(target_config, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta") or getattr(target_config, "rope_theta", None) or 10_000.0
-    return DFlashConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate_size or int(target_config.intermediate_size),
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(getattr(target_config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(target_config, "head_dim", None) or hidden // heads),
-        vocab_size=int(target_config.vocab_size),
-        num_target_layers=n_target,
-        target_layer_ids=default_target_layer_ids(n_target, num_layers),
-        mask_token_id=mask_token_id,
-        block_size=block_size,
-        rms_norm_eps=float(getattr(target_config, "rms_norm_eps", 1e-6)),
-        rope_theta=float(theta),
-        max_position_embeddings=int(getattr(target_config, "max_position_embeddings", 8192)),
-        bos_token_id=getattr(target_config, "bos_token_id", None),
-        eos_token_id=getattr(target_config, "eos_token_id", None),
-    )

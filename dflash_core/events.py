@@ -5,7 +5,15 @@ The UI and the benchmark read nothing else, so nothing here holds a tensor.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+
+def tau(accepted: Iterable[int]) -> float:
+    """Mean tokens committed per target forward: each block commits its accepted drafts plus
+    the target's own token (1.0 for no blocks, as plain decoding)."""
+    counts = [a + 1 for a in accepted]
+    return sum(counts) / len(counts) if counts else 1.0
 
 
 @dataclass

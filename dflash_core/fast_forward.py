@@ -1,34 +1,23 @@
-"""A lean forward pass for Llama-family targets (Llama, Qwen2, Qwen3).
+"""The fast forward: the target's forward pass for Llama-family models (Llama, Qwen2, Qwen3) in plain torch.
 
 The same maths as transformers' modules, written as plain torch calls over the same weights,
 writing into the same preallocated KV buffers (`cache.TargetCache`), so the engine, rollback and
-the transformers path stay interchangeable (`Target(fast=False)` or `DFLASH_FAST_TARGET=0`).
+the transformers forward stay interchangeable (`Target(fast=False)` picks transformers').
 
-Why it exists, measured on SmolLM2-135M with 2 CPU threads:
-- A one-token step reads every weight once and is bound by memory bandwidth (~52 ms for
-  540 MB); transformers' module tree adds ~6 ms of host work on top of that.
-- A verify pass of m tokens should cost little more than one token, but MKL packs each weight
-  matrix again inside every small-M GEMM: 4 tokens cost 1.6x a one-token pass, 16 tokens 2.3x.
-  Packing the weights once at load (MKL's packed GEMM, which torch.compile's CPU freezing also
-  uses) brings that to ~1.2x and ~1.7x. That is what makes verifying a drafted block cheap.
-- On an AVX2-only CPU (an AMD EPYC) MKL's packed GEMM stayed expensive (16 tokens 3.1x one
-  token) while oneDNN's, over a weight reordered once, cost 1.9x; so fp32 weights take oneDNN's
-  layout wherever it checks out (`onednn_fp32_works`), MKL's packing otherwise.
-Packing keeps a second copy of the linear weights, so it is skipped when memory is short; it is
-also checked against `F.linear` (once per process, and on the model's own shapes), since MKL
-documents the packed format for the batch size it was packed for and we use it for every one.
+Why it exists, measured on SmolLM2-135M with 2 CPU threads: a one-token step reads every weight
+once and is bound by memory bandwidth (~52 ms for 540 MB); transformers' module tree adds ~6 ms
+of host work on top of that. And its linear layers multiply through weights laid out once
+(packing.py), which is what makes verifying a drafted block cheap; on CPUs with AMX it runs the
+batch-invariant bf16 maths (batch_invariant.py) instead.
 
-The lean path reads the weights as they were when it was built (packed copies are copies): a
+The fast forward reads the weights as they were when it was built (packed copies are copies): a
 caller that changes the model's weights or dtype afterwards must build a new `Target`.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,248 +27,20 @@ from . import batch_invariant
 from .batch_invariant import AttentionPlan, InvariantLinear
 from .cache import TargetCache
 from .draft_tree import DraftTree, visibility
-
-SUPPORTED_TYPES = ("llama", "qwen2", "qwen3")
-# Rope variants whose cos/sin depend on the sequence seen so far, not just the position.
-POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
-PACK_BATCH_HINT = 16  # the largest verify pass; MKL's packed layout is chosen for it
-# Below this many rows MKL's own small-M kernels are as fast or faster (measured: 1-3 rows equal
-# or ~2 ms per pass better unpacked; 4 rows 58 ms packed against 76 ms unpacked).
-PACKED_MIN_ROWS = 4
-
-
-def unsupported_reason(model: Any) -> str | None:
-    """Why `model` cannot take the lean path (None when it can)."""
-    reason = config_unsupported_reason(model.config)
-    if reason is not None:
-        return reason
-    devices = set((getattr(model, "hf_device_map", None) or {}).values())
-    if len(devices) > 1:
-        return "the model is spread over several devices"
-    inner = getattr(model, "model", None)
-    for layer in getattr(inner, "layers", [None]):
-        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = [(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        names += [(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")]
-        # Only plain float Linear layers: quantized, LoRA-wrapped or otherwise patched projections
-        # compute something the lean path would not.
-        if not all(_plain_linear(getattr(owner, n, None)) for owner, n in names):
-            return "projections that are not plain float nn.Linear layers (quantized or wrapped?)"
-    if not _plain_linear(getattr(model, "lm_head", None)):
-        return "an LM head that is not a plain float nn.Linear"
-    return None
-
-
-def config_unsupported_reason(cfg: Any) -> str | None:
-    """What in a model's config alone rules the lean path out (None: nothing), known before
-    the weights are loaded."""
-    kind = getattr(cfg, "model_type", None)
-    if kind not in SUPPORTED_TYPES:
-        return f"model type {kind!r} (the lean path covers {', '.join(SUPPORTED_TYPES)})"
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"activation {cfg.hidden_act!r}"
-    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-        return "pretraining_tp > 1"
-    if getattr(cfg, "use_sliding_window", False) or any(
-        t != "full_attention" for t in (getattr(cfg, "layer_types", None) or [])
-    ):
-        return "sliding-window attention layers"
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type in POSITION_DEPENDENT_ROPE:
-        return f"rope type {rope_type!r}"
-    if getattr(cfg, "quantization_config", None) is not None:
-        return "a quantized model"
-    return None
-
-
-def _plain_linear(module: Any) -> bool:
-    return type(module) is torch.nn.Linear and module.weight.is_floating_point()
-
-
-def _probe_weights(out: int, inp: int) -> tuple[torch.Generator, torch.Tensor, torch.Tensor]:
-    """A seeded random weight and bias for the GEMM libraries' load-time probes."""
-    gen = torch.Generator().manual_seed(0)
-    return gen, torch.randn(out, inp, generator=gen), torch.randn(out, generator=gen)
-
-
-@functools.cache
-def mkl_packing_works() -> bool:
-    """MKL's packed GEMM, packed once for PACK_BATCH_HINT rows, agrees with F.linear for any
-    number of rows on this machine (checked once per process on a small random matrix)."""
-    if not torch.backends.mkl.is_available() or os.environ.get("DFLASH_PACK_WEIGHTS", "1") == "0":
-        return False
-    try:
-        gen, w, b = _probe_weights(96, 64)
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w, PACK_BATCH_HINT)
-        return _packed_agrees(w, b, packed, (1, 2, 3, 4, 7, 16, 40), gen)
-    except (RuntimeError, AttributeError):
-        return False
-
-
-@functools.cache
-def onednn_fp32_works() -> bool:
-    """oneDNN's fp32 GEMM through a weight reordered once gives every row the same bits for
-    1..32 rows and agrees with F.linear (probed once per process on random matrices of a
-    transformer MLP's two shapes). Where it does, fp32 weights are laid out for oneDNN rather than
-    packed for MKL: measured on an AVX2 AMD EPYC (2 threads), a 16-row LM-head GEMM took 15 ms
-    through oneDNN against 40 ms MKL-packed, and the layers' GEMMs 20-40 % less.
-    `DFLASH_ONEDNN_FP32=0` keeps MKL's packing."""
-    if not torch.backends.mkldnn.is_available() or os.environ.get("DFLASH_ONEDNN_FP32", "1") == "0":
-        return False
-    try:
-        # Both directions of an MLP: whether rows keep their bits depends on the inner size (on
-        # an AMX Xeon, 576 inputs did and 1536 did not).
-        for out, inp in ((1536, 576), (576, 1536)):
-            gen, w, b = _probe_weights(out, inp)
-            packed = batch_invariant.onednn_weight(w)
-            if not _packed_agrees(w, b, packed, (1, 2, 3, 4, 7, 16, 17, 32), gen):
-                return False
-            x = torch.randn(32, inp, generator=gen)
-            alone = torch.cat([batch_invariant.onednn_linear(x[i : i + 1], packed, b) for i in range(32)])
-            rows = (2, 3, 4, 7, 16, 17, 32)
-            if not all(torch.equal(batch_invariant.onednn_linear(x[:m], packed, b), alone[:m]) for m in rows):
-                return False
-        return True
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def _packed_agrees(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor,
-                   rows: tuple[int, ...], gen: torch.Generator) -> bool:
-    """The packed GEMM gives F.linear's result (to fp32 rounding) for random inputs of these
-    row counts."""
-    for m in rows:
-        x = torch.randn(m, weight.shape[1], generator=gen)
-        got = _matmul(x, weight, bias, packed)
-        if not torch.allclose(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4):
-            return False
-    return True
-
-
-def _available_memory() -> int:
-    """Bytes this process can still take: the kernel's MemAvailable (free + reclaimable cache),
-    capped by a cgroup v2 memory limit when there is one (containers, Spaces); 0 if unknown."""
-    avail = 0
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return 0
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
-            avail = min(avail, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return max(avail, 0)
-
-
-@dataclass
-class Linear:
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    packed: torch.Tensor | None = None  # `weight` laid out once for its GEMM library (`pack_weight`)
-
-    @classmethod
-    def joined(cls, modules: list[torch.nn.Module]) -> Linear:
-        """Linear layers that read the same input as one GEMM (`batch_invariant.joined_weight`),
-        laid out once (`pack_weight`)."""
-        weight, bias = batch_invariant.joined_weight(modules)
-        return cls(weight, bias, pack_weight(weight))
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.bias, self.packed)
-
-    whole = __call__  # the same GEMM for any number of rows (see InvariantLinear.whole)
-
-
-def _onednn_layout(packed: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `packed` is oneDNN's layout of `weight` (it keeps the weight's shape; MKL's packed
-    buffer is a flat [bytes, 1] tensor)."""
-    return packed.shape == weight.shape
-
-
-def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            packed: torch.Tensor | None) -> torch.Tensor:
-    """x [rows, in] times the weight, through the packed copy when there is one (MKL's: with
-    enough rows)."""
-    if packed is not None and _onednn_layout(packed, weight):
-        return batch_invariant.onednn_linear(x, packed, bias)
-    if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
-        # The last argument tells MKL that `packed` is laid out for this many rows.
-        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, x.shape[0])
-    return F.linear(x, weight, bias)
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A [out, in] weight laid out once for its GEMM library: oneDNN's reordered copy for bf16 on
-    CPUs with AMX and for fp32 where oneDNN's fp32 GEMM passes its check (`onednn_fp32_works`),
-    else MKL's packed copy for fp32; None where none applies (not CPU, `DFLASH_PACK_WEIGHTS=0`,
-    or the self-checks failed)."""
-    if weight.device.type != "cpu" or os.environ.get("DFLASH_PACK_WEIGHTS", "1") == "0":
-        return None
-    if weight.dtype == torch.bfloat16:
-        return batch_invariant.onednn_weight(weight) if batch_invariant.amx_bf16_available() else None
-    if weight.dtype == torch.float32 and onednn_fp32_works():
-        return batch_invariant.onednn_weight(weight)
-    if weight.dtype != torch.float32 or not mkl_packing_works():
-        return None
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
-
-
-def weight_key(w: torch.Tensor) -> tuple[Any, ...]:
-    """What changes when a weight does: a new tensor (also after a move or a cast), or an
-    in-place update (inference tensors keep no version counter). Copies laid out from it are
-    rebuilt when it changes."""
-    return w.data_ptr(), w.dtype, w.device, -1 if w.is_inference() else w._version
-
-
-class PackingLinear(torch.nn.Linear):
-    """An nn.Linear (same parameters, same checkpoints) that, at CPU inference with 4 or more
-    rows, multiplies through weights laid out once (`pack_weight`: MKL-packed fp32, ~25 % cheaper
-    for the drafter's 16-row blocks; oneDNN-reordered bf16 on AMX CPUs). The packed copy is made
-    on first use and again whenever the weight changes (training evaluates the live drafter
-    between optimizer steps); with gradients on it is a plain nn.Linear."""
-
-    _packed: tuple[tuple[Any, ...], torch.Tensor | None] | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        # The packed copy is an opaque MKL tensor: it cannot be copied or pickled, and is
-        # rebuilt on first use anyway (deepcopy, torch.save of the module).
-        state = dict(self.__dict__)
-        state.pop("_packed", None)
-        return state
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(1, x.shape[-1])
-        if torch.is_grad_enabled() or rows < PACKED_MIN_ROWS or torch.is_autocast_enabled(x.device.type):
-            return super().forward(x)
-        key = weight_key(self.weight)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, pack_weight(self.weight))
-        out = _matmul(x.reshape(rows, x.shape[-1]), self.weight, self.bias, self._packed[1])
-        return out.view(*x.shape[:-1], out.shape[-1])
-
-
-def _plain(module: Any, pack: bool) -> Linear:
-    w = module.weight.detach()
-    b = None if getattr(module, "bias", None) is None else module.bias.detach()
-    return Linear(w, b, pack_weight(w) if pack else None)
+from .fast_forward_support import unsupported_reason
+from .layers import apply_rope, rms_norm
+from .packing import PACK_BATCH_HINT, PACKED_MIN_ROWS, Linear, available_memory, onednn_layout, packed_agrees
 
 
 @dataclass
 class Norm:
+    """An RMSNorm's detached weight and epsilon (`layers.rms_norm`)."""
+
     weight: torch.Tensor
     eps: float
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # transformers' RMSNorm, operation for operation (fp32 statistics, weight in model dtype).
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def _norm(module: Any, default_eps: float) -> Norm:
@@ -306,11 +67,6 @@ class Layer:
     gate_up: InvariantLinear | None = None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class FastForward:
     """`forward(ids, cache, layer_ids, last_only)` for a supported model; see `Target.forward`."""
 
@@ -319,7 +75,7 @@ class FastForward:
         None = wherever the model is bf16 on a CPU with AMX."""
         reason = unsupported_reason(model)
         if reason is not None:
-            raise ValueError(f"no lean forward for this model: {reason}")
+            raise ValueError(f"no fast forward for this model: {reason}")
         cfg, inner = model.config, model.model
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
@@ -337,27 +93,30 @@ class FastForward:
             linear_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
                                if n.endswith("proj.weight"))
             linear_bytes += model.lm_head.weight.numel() * model.lm_head.weight.element_size()
-            pack = weight.dtype == torch.float32 and linear_bytes < _available_memory() // 2
+            pack = weight.dtype == torch.float32 and linear_bytes < available_memory() // 2
         self.embed = weight.detach()
         self.layers = []
 
         def make_linear(module: Any, pack: bool) -> Linear | InvariantLinear:
             if invariant:
                 return InvariantLinear.of(module.weight, getattr(module, "bias", None))
-            return _plain(module, pack)
+            return Linear.of(module, pack)
+
+        fused = invariant  # q/k/v and gate/up as one GEMM each (InvariantLinear.joined)
+
+        def separate(module: Any) -> Linear | None:
+            return None if fused else Linear.of(module, pack)
 
         for block in inner.layers:
             a, m = block.self_attn, block.mlp
-            fused = invariant  # q/k/v and gate/up as one GEMM each (InvariantLinear.joined)
             self.layers.append(Layer(
                 attn_norm=_norm(block.input_layernorm, eps),
-                q=None if fused else _plain(a.q_proj, pack), k=None if fused else _plain(a.k_proj, pack),
-                v=None if fused else _plain(a.v_proj, pack),
+                q=separate(a.q_proj), k=separate(a.k_proj), v=separate(a.v_proj),
                 o=make_linear(a.o_proj, pack),
                 q_norm=_norm(a.q_norm, eps) if hasattr(a, "q_norm") else None,
                 k_norm=_norm(a.k_norm, eps) if hasattr(a, "k_norm") else None,
                 mlp_norm=_norm(block.post_attention_layernorm, eps),
-                gate=None if fused else _plain(m.gate_proj, pack), up=None if fused else _plain(m.up_proj, pack),
+                gate=separate(m.gate_proj), up=separate(m.up_proj),
                 down=make_linear(m.down_proj, pack),
                 qkv=InvariantLinear.joined([a.q_proj, a.k_proj, a.v_proj]) if fused else None,
                 gate_up=InvariantLinear.joined([m.gate_proj, m.up_proj]) if fused else None,
@@ -384,7 +143,7 @@ class FastForward:
         if not self.packed:
             return None
         assert isinstance(self.head, Linear) and self.head.packed is not None
-        return "oneDNN" if _onednn_layout(self.head.packed, self.head.weight) else "MKL"
+        return "oneDNN" if onednn_layout(self.head.packed, self.head.weight) else "MKL"
 
     def _linears(self) -> list[Linear | InvariantLinear]:
         layers = (lin for la in self.layers for lin in (la.q, la.k, la.v, la.o, la.gate, la.up, la.down, la.qkv,
@@ -403,7 +162,7 @@ class FastForward:
             if not isinstance(lin, Linear) or lin.packed is None or tuple(lin.weight.shape) in seen:
                 continue
             seen.add(tuple(lin.weight.shape))
-            if not _packed_agrees(lin.weight, lin.bias, lin.packed, rows, gen):
+            if not packed_agrees(lin.weight, lin.bias, lin.packed, rows, gen):
                 return False
         return True
 
@@ -549,7 +308,7 @@ class FastForward:
 
     def _check(self, ids: torch.Tensor, layer_ids: list[int] | None) -> None:
         if ids.shape[0] != 1:
-            raise ValueError(f"the lean forward runs batch size 1, got {ids.shape[0]} rows")
+            raise ValueError(f"the fast forward runs batch size 1, got {ids.shape[0]} rows")
         if layer_ids is not None and not all(0 <= i < len(self.layers) for i in layer_ids):
             raise ValueError(f"layer ids {layer_ids} out of range for {len(self.layers)} layers")
 
@@ -582,8 +341,7 @@ class FastForward:
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             out = attend(i, q, k, v)
             x = x + linear(layer.o, out.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd))
             h = layer.mlp_norm(x)

@@ -22,7 +22,8 @@ use). NaN logits or probabilities are not supported.
 
 `use_triton(device)` is the dispatcher the engine uses. Triton is optional: without it (or on
 CPU) the torch rules run. On CPU the kernels can still be run through Triton's interpreter
-(TRITON_INTERPRET=1 before triton is imported); tests/test_kernels.py does that.
+(TRITON_INTERPRET=1 before triton is imported, and `use_triton(..., interpret=True)`);
+tests/test_kernels.py does that.
 """
 
 from __future__ import annotations
@@ -52,21 +53,20 @@ BLOCK_V = 1024  # vocabulary entries one program handles per step
 MAX_SPLIT = 64  # programs per row for the greedy argmax
 
 
-def use_triton(device: torch.device | str | torch.Tensor) -> bool:
+def use_triton(device: torch.device | str | torch.Tensor, interpret: bool = False) -> bool:
     """Whether the accept step should run the Triton kernels for tensors on `device`.
 
-    Yes on CUDA when triton imports, unless DFLASH_TRITON=0. On CPU only through Triton's
-    interpreter and only when asked for with DFLASH_TRITON=1 (the kernel tests do that).
+    Yes on CUDA when triton imports. On CPU only through Triton's interpreter, and only when
+    asked for with `interpret` (the kernel tests do that).
     """
-    flag = os.environ.get("DFLASH_TRITON", "").strip()
-    if flag == "0" or triton is None:
+    if triton is None:
         return False
     if isinstance(device, torch.Tensor):
         device = device.device
     device = torch.device(device)
     if device.type == "cuda":
         return True
-    return flag == "1" and INTERPRETED and device.type == "cpu"
+    return interpret and INTERPRETED and device.type == "cpu"
 
 
 if triton is not None:
@@ -258,13 +258,3 @@ def speculative_accept_triton(draft: torch.Tensor, q: torch.Tensor, p: torch.Ten
     )
     return acc, tok
 
-
-def commit_reference(out: torch.Tensor, length: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor,
-                     token: torch.Tensor) -> None:
-    """The kernels' buffer write in plain torch, without a host sync: out[length + i] for i <= accepted."""
-    B = draft.shape[0] + 1
-    pos = torch.arange(B, device=out.device)
-    where = length.reshape(1) + pos
-    values = torch.where(pos < accepted, torch.cat([draft, draft.new_zeros(1)]), token).to(out.dtype)
-    out[where] = torch.where(pos <= accepted, values, out[where])
-    length += accepted + 1

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from .drafter import DFlashDrafter, config_for_target, init_weights, load_drafter
+from .drafter import DFlashDrafter, init_weights, load_drafter
+from .drafter_config import config_for_target
 from .engine import Engine
 from .errors import DFlashError
 from .targets import EMBEDDED, EMBEDDED_HUB_ID, load_target

@@ -21,10 +21,10 @@ scores only decide which candidates the target checks.
 
 A guess that adds a node to the tree is one the drafter did not make itself (an agreeing guess
 only raises the drafter's node), and chosen against the drafter it is right less often than its
-rate says. Measured in session 23 (the shipped drafter, HumanEval and GSM8K prompts 6-20): a
+rate says. Measured on the shipped drafter (HumanEval and GSM8K prompts 6-20): a
 guessed node rated 0.36 given its parent was walked 19 % of the time (prompt lookup) and 14 %
 (the n-gram table), one rated 0.84, 67 % and 65 %. So each rate, and each table entry's score,
-is raised to the power `CALIBRATION` where a guess joins the tree (0.36 -> 0.18, 0.84 -> 0.74);
+is raised to the power `GUESS_CALIBRATION` where a guess joins the tree (0.36 -> 0.18, 0.84 -> 0.74);
 overrated guesses would make trees larger than pays.
 """
 
@@ -49,7 +49,7 @@ PRIOR_WEIGHT = 10.0
 # HumanEval / GSM8K prompts 6-15: 1-, 2- and 3-gram matches alike cut HumanEval's blocks by ~5 %,
 # GSM8K's by none; 3 is the most certain that the text is looping).
 LOOP_NGRAM = 3
-CALIBRATION = 1.7  # power on a guess's rates where it joins a tree (see the module text)
+GUESS_CALIBRATION = 1.7  # power on a guess's rates where it joins a tree (see the module text)
 
 
 class NgramIndex:
@@ -149,9 +149,9 @@ def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_dept
             anchor_guess = (n, guess)
         if guess:
             rated = rates.scores(n, len(guess))
-            tree = add_chain(tree, path + guess, path_scores + [above * r**CALIBRATION for r in rated])
+            tree = add_chain(tree, path + guess, path_scores + [above * r**GUESS_CALIBRATION for r in rated])
         if corpus is not None:
-            guess, below = corpus.chain([*index.ids[-ORDER:], *path], room, above, power=CALIBRATION)
+            guess, below = corpus.chain([*index.ids[-ORDER:], *path], room, above, power=GUESS_CALIBRATION)
             if guess:
                 tree = add_chain(tree, path + guess, path_scores + below)
     return tree, anchor_guess

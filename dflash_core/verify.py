@@ -10,7 +10,12 @@ inverse CDF, so the Triton kernel in kernels.py, given the same numbers, picks t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .config import GenerationConfig
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -121,3 +126,29 @@ def speculative_accept(
     Returns (accepted count, the correction or bonus token), both 0-d tensors.
     """
     return speculative_accept_u(draft, q, p, draw_uniforms(draft.shape[0], generator, p.device))
+
+
+class Sampler:
+    """How tokens are chosen, built once from a config: the argmax at temperature 0, else a draw
+    from the tempered, top-k/top-p cut distribution with the config's seeded generator."""
+
+    def __init__(self, cfg: GenerationConfig, device: torch.device | str) -> None:
+        self.greedy = cfg.greedy
+        self.temperature, self.top_k, self.top_p = cfg.temperature, cfg.top_k, cfg.top_p
+        self.generator = torch.Generator(device=device).manual_seed(cfg.seed)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of logits [n, V] → [n]."""
+        return greedy_choice(logits) if self.greedy else sample(self.probs(logits), self.generator)
+
+    def accept(self, draft: torch.Tensor, q: torch.Tensor | None,
+               logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rule for a chain: draft [B-1] (proposed from q [B-1, V] when sampling), the target's
+        logits [B, V] → (accepted count, the target's token after them), both 0-d tensors."""
+        if self.greedy:
+            return greedy_accept(draft, logits)
+        assert q is not None, "speculative sampling needs the drafter's proposal distributions"
+        return speculative_accept(draft, q, self.probs(logits), self.generator)

@@ -5,7 +5,7 @@ block is free. On a CPU it is not: here a 16-token pass costs ~2.3 one-token pas
 pass ~1.5. Then verifying draft tokens the drafter itself doubts is a loss, and the best length
 changes from block to block with the drafter's confidence.
 
-`choose_verify_length` picks the number m of draft tokens that maximises the expected
+`choose_prefix` over `chain_scores` picks the number m of draft tokens that maximises the expected
 tokens committed per second of the block's cycle,
 
     E(m) / (t_draft + t_verify(m + 1)),   E(m) = 1 + sum_{k<=m} prod_{j<=k} c_j,
@@ -41,14 +41,14 @@ if TYPE_CHECKING:  # targets.py imports this module
 
 MIN_DRAFT_LENGTH = 4  # anchor + 3 drafts: a floor to grow back from; this short, the draft's fixed cost dominates
 RECENT_BLOCKS = 8
-CALIBRATION_CONTEXT = 128  # tokens of context the verify passes are timed after
-CALIBRATION_REPEATS = 3
+TIMING_CONTEXT = 128  # tokens of context the verify passes are timed after
+TIMING_REPEATS = 3
 
 
 def resolve_mode(mode: str, device: torch.device | str, *, greedy: bool = False, tree_ok: bool = False) -> str:
     """"auto" is "full" on an accelerator, where a block's verify pass costs about one token's
     and a choice would only add a host round trip. On a CPU it is "tree" for greedy decoding
-    where a tree pass can run (`tree_ok`: the lean forward, one denoising step), else
+    where a tree pass can run (`tree_ok`: the fast forward, one denoising step), else
     "adaptive". Sampling keeps the chain: a tree's candidates are the drafter's top choices,
     not draws, so they can only be matched against the target's draw, which accepts less than
     speculative sampling of a chain (measured: τ 1.38 against 1.50 on GSM8K at T = 1)."""
@@ -88,15 +88,6 @@ class VerifyCost:
         return {n: m / self.ms[0] for n, m in zip(self.sizes, self.ms, strict=True)}
 
 
-def choose_verify_length(confidence: list[float], cost: VerifyCost, draft_ms: float) -> int:
-    """The number of draft tokens (1..len(confidence)) worth verifying; see the module text."""
-    chain, scores = 1.0, []
-    for c in confidence:
-        chain *= min(max(float(c), 0.0), 1.0)
-        scores.append(chain)  # the chance that the target accepts this draft and all before it
-    return choose_prefix(scores, cost, draft_ms)
-
-
 def choose_prefix(scores: list[float], cost: VerifyCost, draft_ms: float) -> int:
     """The number n (1..len(scores)) of candidates worth verifying, where scores[i] is the chance
     that candidate i is accepted (a chain's prefix products, or a draft tree's node scores, best
@@ -123,11 +114,11 @@ def next_draft_length(verified: list[int], current: int, block: int) -> int:
     return min(block, max(MIN_DRAFT_LENGTH, max(verified[-RECENT_BLOCKS:]) + 2))
 
 
-def calibration_sizes(max_tokens: int) -> list[int]:
+def timed_sizes(max_tokens: int) -> list[int]:
     return [n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if n < max_tokens] + [max_tokens]
 
 
-def calibration_tree(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def timing_tree(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(depths [n], visible [n, n]) of an n-row tree pass to time: the anchor, then two
     interleaved lines (a main line and its alternatives, as best-first trees from a drafter's
     marginals mostly are), about n/2 deep."""
@@ -145,18 +136,18 @@ def measure_verify_cost(target: Target, layer_ids: list[int] | None, max_tokens:
     than a chain of as many tokens). Sizes are interleaved over the repeats, so a change in the
     machine's load lands on all of them alike; the fastest repeat is kept. About 30 target
     passes: a few seconds for a small target on a CPU."""
-    sizes = calibration_sizes(max(1, max_tokens))
+    sizes = timed_sizes(max(1, max_tokens))
     dev = target.device
     vocab = target.vocab_size
-    context = torch.arange(CALIBRATION_CONTEXT, device=dev)[None] * 7919 % vocab
-    cache = target.new_cache(CALIBRATION_CONTEXT + max(sizes))
+    context = torch.arange(TIMING_CONTEXT, device=dev)[None] * 7919 % vocab
+    cache = target.new_cache(TIMING_CONTEXT + max(sizes))
     target.forward(context, cache, layer_ids)
-    shapes = {n: calibration_tree(n, dev) for n in sizes} if tree else {}
+    shapes = {n: timing_tree(n, dev) for n in sizes} if tree else {}
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for rep in range(CALIBRATION_REPEATS + 1):  # the first round warms up and is not kept
+    for rep in range(TIMING_REPEATS + 1):  # the first round warms up and is not kept
         for n in sizes:
             ids = context[:, :n]
-            cache.truncate(CALIBRATION_CONTEXT)
+            cache.truncate(TIMING_CONTEXT)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             t0 = time.perf_counter()
@@ -172,3 +163,55 @@ def measure_verify_cost(target: Target, layer_ids: list[int] | None, max_tokens:
     for i in range(1, len(ms)):
         ms[i] = max(ms[i], ms[i - 1])
     return VerifyCost(tuple(sizes), tuple(ms))
+
+
+@dataclass(frozen=True)
+class PassCosts:
+    """Pass times to size blocks with instead of measuring them on this machine: chain and tree
+    pass tables and a drafting time per block. Tests pin one, so their verdicts never depend on
+    how busy the machine is."""
+
+    chain: VerifyCost
+    tree: VerifyCost
+    draft_ms: float
+
+
+class Pace:
+    """Sizes one reply's blocks: how many candidates a block verifies (those that pay for their
+    share of the pass, `choose_prefix`) and how far the next block drafts (`next_draft_length`).
+    `cost` None verifies every drafted candidate; the drafting time is the reply's running mean
+    unless `draft_ms` fixes it."""
+
+    def __init__(self, cost: VerifyCost | None, block: int, draft_ms: float | None = None) -> None:
+        self.cost, self.block, self.fixed_draft_ms = cost, block, draft_ms
+        self.draft_length = block  # anchor included
+        self.verified: list[int] = []
+        self.draft_s, self.blocks = 0.0, 0
+
+    def size(self, scores: list[float], drafting_s: float) -> int:
+        """How many of the candidates, scored best first, to verify (all without a cost table);
+        `drafting_s`: this block's drafting so far."""
+        if self.cost is None:
+            return len(scores)
+        draft_ms = self.fixed_draft_ms
+        if draft_ms is None:
+            draft_ms = (self.draft_s + drafting_s) * 1e3 / (self.blocks + 1)
+        return choose_prefix(scores, self.cost, draft_ms)
+
+    def record(self, verified_depth: int | None, draft_s: float) -> None:
+        """After a block: how deep its drafter candidates were verified (None: not sized) and
+        what its drafting cost."""
+        self.draft_s += draft_s
+        self.blocks += 1
+        if verified_depth is not None and self.cost is not None:
+            self.verified.append(verified_depth)
+            self.draft_length = next_draft_length(self.verified, self.draft_length, self.block)
+
+
+def chain_scores(confidence: list[float]) -> list[float]:
+    """Each draft's chance of being accepted along with every draft before it."""
+    chain, scores = 1.0, []
+    for c in confidence:
+        chain *= min(max(float(c), 0.0), 1.0)
+        scores.append(chain)
+    return scores

@@ -10,14 +10,28 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from dflash_core.drafter import DFlashDrafter, config_for_target, init_weights
+from dflash_core.drafter import DFlashDrafter, init_weights
+from dflash_core.drafter_config import config_for_target
 from dflash_core.engine import Engine
 from dflash_core.events import Finished
 from dflash_core.targets import Target, load_target
+from dflash_core.verify_length import PassCosts, VerifyCost
 
 # On a machine shared with other busy processes, DFLASH_TEST_THREADS=1 avoids oversubscription.
 if os.environ.get("DFLASH_TEST_THREADS"):
     torch.set_num_threads(int(os.environ["DFLASH_TEST_THREADS"]))
+
+
+# A 2-core CPU's pass costs (ms) and drafting time. Blocks sized from times measured while the
+# tests run would make verdicts depend on how busy the machine is, so every test sizes its trees
+# and adaptive chains from these; tests of the measuring itself unpin them.
+CPU_LIKE = VerifyCost((1, 2, 4, 16), (60.0, 69.0, 90.0, 138.0))
+PINNED_COSTS = PassCosts(chain=CPU_LIKE, tree=CPU_LIKE, draft_ms=8.0)
+
+
+@pytest.fixture(autouse=True)
+def pinned_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Engine, "pinned_costs", PINNED_COSTS)
 
 
 @pytest.fixture(scope="session")

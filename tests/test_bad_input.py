@@ -157,7 +157,7 @@ def test_unknown_drafter_path() -> None:
 
 
 def _good_drafter_folder(folder: Path) -> dict[str, Any]:
-    from dflash_core.drafter import DFlashConfig
+    from dflash_core.drafter_config import DFlashConfig
 
     cfg = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
                        num_key_value_heads=1, head_dim=16, vocab_size=100, num_target_layers=4,

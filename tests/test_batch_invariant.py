@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import finish
 
-from dflash_core import batch_invariant, fast_forward
+from dflash_core import batch_invariant, fast_forward, packing
 from dflash_core.batch_invariant import CHUNK, AttentionPlan, _pairwise_sum, attention
 from dflash_core.config import GenerationConfig
 from dflash_core.draft_tree import grow_tree, visibility
@@ -57,9 +57,9 @@ def test_prefill_is_deterministic_and_matches_the_row_invariant_pass(target: Tar
 
 @needs_amx
 def test_embedded_target_is_bf16_and_batch_invariant(target: Target) -> None:
-    assert target.dtype == torch.bfloat16 and target.invariant, target.fast_path_note
-    assert "batch-invariant" in target.fast_path_note
-    assert target.fast_path is not None and target.fast_path.rows_agree()
+    assert target.dtype == torch.bfloat16 and target.invariant, target.forward_note
+    assert "batch-invariant" in target.forward_note
+    assert target.fast_forward is not None and target.fast_forward.rows_agree()
 
 
 @needs_amx
@@ -165,7 +165,7 @@ def test_a_failed_check_falls_back_to_float32(monkeypatch: pytest.MonkeyPatch) -
     assert t.dtype == torch.float32 and not t.invariant
     assert next(t.model.parameters()).dtype == torch.float32
     asked = load_target("embedded", device="cpu", dtype="bfloat16")  # asked for: kept, and said
-    assert asked.dtype == torch.bfloat16 and not asked.invariant and "check failed" in asked.fast_path_note
+    assert asked.dtype == torch.bfloat16 and not asked.invariant and "check failed" in asked.forward_note
 
 
 @pytest.fixture(scope="module")
@@ -209,8 +209,8 @@ def test_the_check_runs_once_per_model(target: Target, monkeypatch: pytest.Monke
 
 
 @needs_amx
-def test_a_target_without_the_lean_path_loads_once_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Known from the config before any weights load: no lean path, so no bf16 (and no reload)."""
+def test_a_target_without_the_fast_forward_loads_once_in_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Known from the config before any weights load: no fast forward, so no bf16 (and no reload)."""
     from transformers import AutoModelForCausalLM
 
     loads: list[object] = []
@@ -218,7 +218,7 @@ def test_a_target_without_the_lean_path_loads_once_in_float32(monkeypatch: pytes
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained",
                         lambda *a, **k: loads.append(k.get("dtype")) or real(*a, **k))
     t = load_target("embedded", device="cpu", fast=False)
-    assert t.dtype == torch.float32 and t.fast_path is None and loads == [torch.float32]
+    assert t.dtype == torch.float32 and t.fast_forward is None and loads == [torch.float32]
 
 
 @needs_amx
@@ -226,7 +226,7 @@ def test_bf16_drafter_layers_multiply_through_reordered_weights() -> None:
     """The drafter in bf16 on AMX: oneDNN's reordered weights, the same product as F.linear up
     to bf16 rounding, re-laid after the weight changes, for any number of rows."""
     torch.manual_seed(0)
-    layer = fast_forward.PackingLinear(64, 96, bias=False).to(torch.bfloat16)
+    layer = packing.PackingLinear(64, 96, bias=False).to(torch.bfloat16)
     with torch.inference_mode():
         for rows in (4, 16, 40):
             x = torch.randn(rows, 64, dtype=torch.bfloat16)

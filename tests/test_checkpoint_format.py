@@ -14,14 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_core.config import GenerationConfig
-from dflash_core.drafter import (
-    DFlashConfig,
-    DFlashDrafter,
-    config_for_target,
-    default_target_layer_ids,
-    init_weights,
-    load_drafter,
-)
+from dflash_core.drafter import DFlashDrafter, init_weights, load_drafter
+from dflash_core.drafter_config import DFlashConfig, config_for_target, default_target_layer_ids
 from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
 from dflash_core.targets import Target

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -130,6 +132,38 @@ def test_generate_empty_prompt(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.strip() == "error: the prompt is empty"
 
 
+def help_entries(text: str) -> dict[str, str]:
+    """Each option's help text in argparse's --help output, keyed by its first option string."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in text.splitlines():
+        m = re.fullmatch(r"  (-\S.*?)(?:\s{2,}(.*))?", line)
+        if m:  # "  --opt VALUE    help...": an option line (continuations are indented further)
+            current = m[1].split()[0].split(",")[0]
+            entries[current] = m[2] or ""
+        elif current and line.startswith("   ") and line.strip():
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "train"])
+def test_every_option_has_help_and_its_default(capsys: pytest.CaptureFixture[str], command: str) -> None:
+    rc, out, _ = run(capsys, command, "--help")
+    assert rc == 0
+    entries = help_entries(out)
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    options = [a for a in sub.choices[command]._actions if a.option_strings and a.dest != "help"]
+    assert {a.option_strings[0] for a in options} == set(entries) - {"-h"}
+    for action in options:
+        text = entries[action.option_strings[0]]
+        assert text.strip(), f"{action.option_strings[0]} has no help"
+        if not action.required:
+            assert "(default" in text, f"{action.option_strings[0]}: no default in {text!r}"
+            assert "(default: None)" not in text and "(default: )" not in text, text
+
+
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "generate")[0] == 2  # --prompt missing: argparse's own message
     rc, _, err = run(capsys, "frobnicate")
@@ -145,17 +179,19 @@ def write_jsonl(path: Path, rows: list[object]) -> Path:
     return path
 
 
-def test_bench_tiny_set(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+def test_bench_tiny_set(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "Name a colour."},
         "",  # blank lines are allowed
         {"turns": ["Say one word.", "Now say another."]},
     ])
-    out_json = tmp_path / "r.json"
-    rc, out, err = run(capsys, "bench", "--prompts", str(prompts), "--max-new-tokens", "4", "--warmup", "0",
-                       "--out", str(out_json), *FAST)
+    monkeypatch.chdir(tmp_path)  # without --out the report goes to the current folder, named by set and time
+    rc, out, err = run(capsys, "bench", "--prompts", str(prompts), "--max-new-tokens", "4", "--warmup", "0", *FAST)
     assert rc == 0, err
-    report = json.loads(out_json.read_text())
+    written = list(tmp_path.glob("bench-*.json"))
+    assert len(written) == 1 and re.fullmatch(r"bench-p-\d{8}-\d{6}\.json", written[0].name), written
+    assert f"wrote {written[0].name}" in err
+    report = json.loads(written[0].read_text())
     s = report["summary"]
     for key in ("prompts", "mean_tau", "speedup", "mismatches", "plain_tokens_per_s", "dflash_tokens_per_s",
                 "target", "draft", "block_size", "steps", "temperature", "max_new_tokens", "device", "dtype",
@@ -276,14 +312,26 @@ def test_bench_checks_outputs_before_running(capsys: pytest.CaptureFixture[str],
     assert rc == 2 and "block size must be 2..32" in err
 
 
-def test_engine_package_does_not_import_plotly() -> None:
-    import subprocess
-    import sys
+@pytest.mark.parametrize(("missing", "message"), [("app.bench_report", "app/ package"),
+                                                 ("plotly.graph_objects", "pip install plotly")])
+def test_bench_html_without_its_modules_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch, missing: str, message: str) -> None:
+    monkeypatch.delitem(sys.modules, "app.bench_report", raising=False)
+    monkeypatch.setitem(sys.modules, missing, None)  # an import of it now fails
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    rc, _, err = run(capsys, "bench", "--set", str(prompts), "--json", str(tmp_path / "r.json"),
+                     "--html", str(tmp_path / "r.html"), *FAST)
+    assert rc == 2 and err.startswith("error: --html needs") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "r.json").exists()
 
-    code = ("import sys, dflash_core, dflash_core.bench, dflash_core.bench_stats, dflash_core.__main__; "
-            "print('plotly' in sys.modules)")
+
+def test_engine_package_imports_neither_plotly_nor_the_app() -> None:
+    import subprocess
+
+    code = ("import sys, dflash_core, dflash_core.bench, dflash_core.bench_stats, dflash_core.__main__, "
+            "dflash_core.train.run; print('plotly' in sys.modules, 'app' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.strip() == "False"
+    assert done.stdout.strip() == "False False"
 
 
 def test_bench_bad_jsonl_line_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_core.train.code_prompts import TEMPLATES, functions_in, iter_code_prompts
-from dflash_core.train.data import load_prompts
+from dflash_core.train.prompt_sources import load_prompts
 
 MODULE = textwrap.dedent('''
     import functools

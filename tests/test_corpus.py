@@ -11,7 +11,6 @@ import pytest
 from conftest import finish
 from test_draft_tree import TreeRecordingEngine
 from test_sampling_distribution import PROMPT, chi_square_p, exact_distribution, sampled_counts, toy_engine  # noqa: F401
-from test_verify_length import CPU_LIKE
 
 from dflash_core.config import GenerationConfig
 from dflash_core.corpus import (
@@ -34,7 +33,7 @@ from dflash_core.errors import DFlashError
 from dflash_core.lookup import LookupRates, NgramIndex, with_lookup
 from dflash_core.targets import Target
 from dflash_core.train.corpus import main as corpus_main
-from dflash_core.train.data import encode_shard, write_atomic
+from dflash_core.train.shards import encode_shard, write_atomic
 
 Triple = tuple[list[int], list[int], list[int]]
 
@@ -212,11 +211,9 @@ def test_memorised_corpus_is_accepted_and_output_is_plain(target: Target, random
                                                          plain_replies: list[list[int]], block: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A table built from the replies themselves guesses them: long acceptances, same tokens."""
-    monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
-    monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     prompt_ids = [target.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     # Ten sightings each: a table entry scores count / (count + PSEUDO_COUNT), calibrated down
-    # (lookup.CALIBRATION), and three sightings left its chains too short to outrank the random
+    # (lookup.GUESS_CALIBRATION), and three sightings left its chains too short to outrank the random
     # drafter's confident (probability 1) nodes in a 16-token tree.
     table = build_corpus([(p, r, r) for p, r in zip(prompt_ids, plain_replies, strict=True)] * 10,
                          vocab_size=target.vocab_size)
@@ -235,8 +232,6 @@ def test_misleading_corpus_keeps_output_plain(target: Target, random_drafter: DF
                                               plain_replies: list[list[int]], monkeypatch: pytest.MonkeyPatch) -> None:
     """A table sure of a wrong token after every token fills the trees with wrong guesses: the
     replies stay the same."""
-    monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
-    monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     keys = np.array(sorted(pack([t]) for t in range(target.vocab_size)), dtype=np.uint64)
     table = CorpusNgrams(keys, np.full(len(keys), 17, np.int32), np.full(len(keys), 0.99, np.float32), {})
     cfg = GenerationConfig(max_new_tokens=48, verify="tree")
@@ -253,8 +248,6 @@ def test_misleading_corpus_keeps_output_plain(target: Target, random_drafter: DF
 
 def test_corpus_guesses_keep_sampling_exact(toy_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     engine = toy_engine
-    monkeypatch.setattr(engine.target, "verify_cost", CPU_LIKE)
-    monkeypatch.setattr(engine.target, "tree_cost", CPU_LIKE)
     rng = random.Random(1)
     texts = [[rng.randrange(3) for _ in range(30)] for _ in range(20)]
     monkeypatch.setattr(engine.drafter, "corpus", build_corpus([([], t, t) for t in texts], vocab_size=4))

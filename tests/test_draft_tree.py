@@ -11,14 +11,16 @@ import torch
 from conftest import finish
 from test_lossless import CORRUPT_ORDER, REF_TOKENS, ForcedEngine, References, check_events, run
 from test_sampling_distribution import chi_square_p, exact_distribution, sampled_counts, toy_engine  # noqa: F401
-from test_verify_length import CPU_LIKE, PROMPTS, plain_outputs, shipped_engine  # noqa: F401 (fixtures)
+from test_verify_length import PROMPTS, plain_outputs, shipped_engine  # noqa: F401 (fixtures)
 
-import dflash_core.engine as engine_module
+import dflash_core.steps as steps_module
 from dflash_core.config import GenerationConfig
-from dflash_core.draft_tree import CALIBRATION, DraftTree, grow_tree, max_tree_nodes, visibility, walk
+from dflash_core.draft_tree import DRAFTER_CALIBRATION, DraftTree, grow_tree, max_tree_nodes, visibility, walk
 from dflash_core.drafter import DFlashDrafter
+from dflash_core.drafting import Draft
 from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
+from dflash_core.steps import TreeStep, candidate_tree
 from dflash_core.targets import Target
 from dflash_core.verify_length import VerifyCost, choose_prefix
 
@@ -47,19 +49,19 @@ def test_tree_grows_best_first() -> None:
 
 def test_engine_trees_score_calibrated_drafter_probabilities() -> None:
     """A block's tree scores each node by its path's drafter probabilities raised to
-    CALIBRATION: lower than the raw products, in the same order."""
+    DRAFTER_CALIBRATION: lower than the raw products, in the same order."""
     top = (torch.tensor(PROBS), torch.tensor(IDS))
-    draft = engine_module.Draft(tokens=torch.tensor([10, 20, 30]), probs=torch.tensor([0.5, 0.6, 0.9]), q=None,
+    draft = Draft(tokens=torch.tensor([10, 20, 30]), probs=torch.tensor([0.5, 0.6, 0.9]), q=None,
                                 steps=[], top=top)
-    tree = Engine._draft_tree(draft, max_nodes=6)
-    assert CALIBRATION > 1
+    tree = candidate_tree(draft, max_nodes=6)
+    assert DRAFTER_CALIBRATION > 1
     assert tree.scores == sorted(tree.scores, reverse=True)
     for i in range(len(tree)):
         raw = 1.0
         for j in tree.path_to(i):
             d = tree.depths[j]
             raw *= PROBS[d - 1][IDS[d - 1].index(tree.tokens[j])]
-        assert tree.scores[i] == pytest.approx(raw**CALIBRATION, rel=1e-5) and tree.scores[i] < raw
+        assert tree.scores[i] == pytest.approx(raw**DRAFTER_CALIBRATION, rel=1e-5) and tree.scores[i] < raw
 
 
 def test_prefix_main_line_and_path() -> None:
@@ -156,10 +158,18 @@ class TreeRecordingEngine(Engine):
         super().__init__(target, drafter)
         self.kept: list[list[int]] = []
 
-    def _verify_tree(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        out = super()._verify_tree(*args, **kwargs)
-        self.kept.append(out[0])
-        return out
+    def _step(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        step = super()._step(*args, **kwargs)
+        if isinstance(step, TreeStep):
+            verify = step.verify
+
+            def recording(anchor: int, tree: DraftTree) -> tuple[list[int], list[int], int]:
+                out = verify(anchor, tree)
+                self.kept.append(out[0])
+                return out
+
+            step.verify = recording  # type: ignore[method-assign]
+        return step
 
 
 @pytest.mark.parametrize("block", [2, 4, 8, 16])
@@ -167,8 +177,6 @@ class TreeRecordingEngine(Engine):
 def test_tree_output_is_plain_greedy_output(target: Target, shipped_engine: Engine,  # noqa: F811
                                             plain_outputs: list[list[int]], block: int, mode: str,  # noqa: F811
                                             lookup: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(target, "verify_cost", CPU_LIKE)  # choices independent of this machine's noise
-    monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     eng = TreeRecordingEngine(target, shipped_engine.drafter)
     cfg = GenerationConfig(max_new_tokens=40, block_size=block, verify=mode, lookup=lookup)
     guessed = 0
@@ -222,8 +230,6 @@ def test_forced_drafts_in_tree_mode(target: Target, random_drafter: DFlashDrafte
 def test_tree_sampling_matches_target_distribution(toy_engine: Engine, mode: str, lookup: bool,  # noqa: F811
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     engine = toy_engine
-    monkeypatch.setattr(engine.target, "verify_cost", CPU_LIKE)
-    monkeypatch.setattr(engine.target, "tree_cost", CPU_LIKE)
     cfg = GenerationConfig(max_new_tokens=3, temperature=1.0, block_size=3, verify=mode, lookup=lookup)
     exact = exact_distribution(engine.target, cfg)
     counts, tau = sampled_counts(engine, cfg)
@@ -239,20 +245,20 @@ def test_wrong_tree_walk_is_detected(toy_engine: Engine, monkeypatch: pytest.Mon
         path, tok = walk(tree, choices)
         return (path, tok) if path else ([0], choices[1])
 
-    monkeypatch.setattr(engine_module, "walk", biased)
+    monkeypatch.setattr(steps_module, "walk", biased)
     cfg = GenerationConfig(max_new_tokens=3, temperature=1.0, block_size=3, verify="tree-full")
     counts, _ = sampled_counts(engine, cfg)
     assert chi_square_p(counts, exact_distribution(engine.target, cfg)) < 1e-3
 
 
-def test_tree_on_a_target_without_the_lean_forward(target: Target, random_drafter: DFlashDrafter) -> None:
+def test_tree_on_a_target_without_the_fast_forward(target: Target, random_drafter: DFlashDrafter) -> None:
     slow = Target(model=target.model, tokenizer=target.tokenizer, name=target.name, device=target.device,
                   dtype=target.dtype, fast=False)
     assert not slow.supports_tree
     fin = finish(Engine(slow, random_drafter).generate("Say hi.", GenerationConfig(max_new_tokens=4, verify="tree")))
-    assert any("needs the lean forward" in w for w in fin.warnings)
+    assert any("needs the fast forward" in w for w in fin.warnings)
     plain = finish(Engine(slow, random_drafter).generate("Say hi.", GenerationConfig(max_new_tokens=4), plain=True))
     assert fin.token_ids == plain.token_ids
-    with pytest.raises(DFlashError, match="lean forward"):
+    with pytest.raises(DFlashError, match="tree verification needs the fast forward"):
         slow.tree_forward(torch.tensor([[1, 2]]), torch.tensor([0, 1]), torch.ones(2, 2, dtype=torch.bool),
                           slow.new_cache(4))

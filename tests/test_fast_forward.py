@@ -1,4 +1,4 @@
-"""The lean forward (fast_forward.py) computes what transformers' forward computes.
+"""The fast forward (fast_forward.py) computes what transformers' forward computes.
 
 Tiny random Llama / Qwen2 / Qwen3 models cover the architecture variants (attention bias, per-head
 query/key norms, an explicit head_dim, grouped KV heads); the real embedded target covers the
@@ -23,16 +23,16 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflash_core import Engine, GenerationConfig, batch_invariant
-from dflash_core.fast_forward import (
+from dflash_core import Engine, GenerationConfig, batch_invariant, packing
+from dflash_core.fast_forward import FastForward
+from dflash_core.fast_forward_support import unsupported_reason
+from dflash_core.packing import (
     PACK_BATCH_HINT,
-    FastForward,
     Linear,
     PackingLinear,
     mkl_packing_works,
     onednn_fp32_works,
     pack_weight,
-    unsupported_reason,
 )
 from dflash_core.targets import Target
 from tests.conftest import finish
@@ -75,10 +75,10 @@ def wrap(model: torch.nn.Module, fast: bool) -> Target:
                   dtype=torch.float32, fast=fast)
 
 
-def lean_target(model: torch.nn.Module, pack: bool) -> Target:
+def fast_target(model: torch.nn.Module, pack: bool) -> Target:
     t = wrap(model, fast=False)
-    t.fast_path = FastForward(model, pack=pack)  # force the packing choice under test
-    assert t.fast_path.packed is pack
+    t.fast_forward = FastForward(model, pack=pack)  # force the packing choice under test
+    assert t.fast_forward.packed is pack
     return t
 
 
@@ -119,30 +119,30 @@ def test_tiny_models_match_transformers(kind: str, pack: bool) -> None:
     model = tiny(kind)
     assert unsupported_reason(model) is None
     ref = wrap(model, fast=False)
-    assert ref.fast_path is None
+    assert ref.fast_forward is None
     layers = [0, 2]  # the last layer too: transformers reports it after the final norm
-    assert_same(passes(ref, layers), passes(lean_target(model, pack), layers))
+    assert_same(passes(ref, layers), passes(fast_target(model, pack), layers))
 
 
 @pytest.mark.parametrize("kind", ["llama-mha-yarn", "qwen3"])
 def test_long_context_and_mixed_paths_on_one_cache(kind: str) -> None:
     """A 300-token prefill (the RoPE table grows past its first 256 rows; the packed GEMM runs
-    with many rows), and the lean and transformers paths taking turns on one cache."""
+    with many rows), and the fast and transformers forwards taking turns on one cache."""
     model = tiny(kind)
     ref = wrap(model, fast=False)
-    lean = lean_target(model, pack=packing_works())
-    assert_same(passes(ref, [1], prefill=300), passes(lean, [1], prefill=300))
-    assert_same(passes(ref, [1], prefill=300), passes(lean, [1], prefill=300, other=ref))
+    fast = fast_target(model, pack=packing_works())
+    assert_same(passes(ref, [1], prefill=300), passes(fast, [1], prefill=300))
+    assert_same(passes(ref, [1], prefill=300), passes(fast, [1], prefill=300, other=ref))
 
 
 def test_bf16_target_stays_close_to_transformers_bf16() -> None:
     model = tiny("qwen3").to(torch.bfloat16)
     ref = Target(model=model, tokenizer=None, name="tiny", device=torch.device("cpu"), dtype=torch.bfloat16,
                  fast=False)
-    lean = Target(model=model, tokenizer=None, name="tiny", device=torch.device("cpu"), dtype=torch.bfloat16,
+    fast = Target(model=model, tokenizer=None, name="tiny", device=torch.device("cpu"), dtype=torch.bfloat16,
                   fast=True)
-    assert lean.fast_path is not None and not lean.fast_path.packed  # packing is fp32 only
-    for (a, _), (b, _) in zip(passes(ref, [1]), passes(lean, [1]), strict=True):
+    assert fast.fast_forward is not None and not fast.fast_forward.packed  # packing is fp32 only
+    for (a, _), (b, _) in zip(passes(ref, [1]), passes(fast, [1]), strict=True):
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05)
 
 
@@ -162,7 +162,7 @@ def test_packed_linear_matches_f_linear_for_every_row_count(library: str) -> Non
 
 def test_onednn_fp32_gives_a_row_the_same_bits_in_any_pass(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where oneDNN's fp32 GEMM is chosen, a token's row does not depend on how many rows share
-    the pass (verify blocks against plain steps), and DFLASH_ONEDNN_FP32=0 goes back to MKL."""
+    the pass (verify blocks against plain steps); where oneDNN's check fails, MKL packs instead."""
     if not onednn_fp32_works():
         pytest.skip("oneDNN's fp32 GEMM is not used on this machine")
     torch.manual_seed(1)
@@ -173,22 +173,18 @@ def test_onednn_fp32_gives_a_row_the_same_bits_in_any_pass(monkeypatch: pytest.M
     alone = torch.cat([lin(x[i : i + 1]) for i in range(32)])
     for m in (2, 4, 5, 16, 31, 32):
         assert torch.equal(lin(x[:m]), alone[:m]), m
-    onednn_fp32_works.cache_clear()
-    monkeypatch.setenv("DFLASH_ONEDNN_FP32", "0")
-    try:
-        assert not onednn_fp32_works()
-        other = pack_weight(w)
-        assert other is None or other.shape != w.shape  # MKL's packed buffer, where MKL packs
-    finally:
-        onednn_fp32_works.cache_clear()
+    monkeypatch.setattr(packing, "onednn_fp32_works", lambda: False)
+    other = pack_weight(w)
+    assert other is None or other.shape != w.shape  # MKL's packed buffer, where MKL packs
+    assert (other is not None) == mkl_packing_works()
 
 
-def test_unsupported_models_fall_back_with_a_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unsupported_models_fall_back_with_a_reason() -> None:
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=32))
     assert "gpt2" in unsupported_reason(gpt2)
     t = wrap(gpt2, fast=True)
-    assert t.fast_path is None and "gpt2" in t.fast_path_note
-    with pytest.raises(ValueError, match="no lean forward"):
+    assert t.fast_forward is None and "gpt2" in t.forward_note
+    with pytest.raises(ValueError, match="no fast forward"):
         FastForward(gpt2)
 
     torch.manual_seed(0)
@@ -207,34 +203,30 @@ def test_unsupported_models_fall_back_with_a_reason(monkeypatch: pytest.MonkeyPa
     old = wrapped.model.layers[1].mlp.up_proj
     wrapped.model.layers[1].mlp.up_proj = Adapted(old.in_features, old.out_features, bias=old.bias is not None)
     assert "not plain float nn.Linear" in unsupported_reason(wrapped)
-    assert wrap(wrapped, fast=True).fast_path is None
+    assert wrap(wrapped, fast=True).fast_forward is None
     wrapped.config.quantization_config = {"quant_method": "gptq"}
     assert "quantized" in unsupported_reason(wrapped)
 
-    lean = wrap(tiny("llama"), fast=True)
+    fast = wrap(tiny("llama"), fast=True)
     with pytest.raises(ValueError, match="batch size 1"):
-        lean.forward(torch.zeros((2, 3), dtype=torch.long), lean.new_cache(8))
+        fast.forward(torch.zeros((2, 3), dtype=torch.long), fast.new_cache(8))
     with pytest.raises(ValueError, match="out of range"):
-        lean.forward(torch.zeros((1, 3), dtype=torch.long), lean.new_cache(8), [3])
+        fast.forward(torch.zeros((1, 3), dtype=torch.long), fast.new_cache(8), [3])
 
     llama = tiny("llama")
-    monkeypatch.setenv("DFLASH_FAST_TARGET", "0")
-    assert wrap(llama, fast=None).fast_path is None
-    monkeypatch.setenv("DFLASH_FAST_TARGET", "1")
-    assert wrap(llama, fast=None).fast_path is not None
-    monkeypatch.delenv("DFLASH_FAST_TARGET")
-    assert wrap(llama, fast=None).fast_path is not None  # the default on a CPU
-    assert wrap(llama, fast=False).fast_path is None
+    assert wrap(llama, fast=None).fast_forward is not None  # the default on a CPU
+    assert wrap(llama, fast=False).fast_forward is None
 
 
-def test_embedded_target_takes_the_lean_path_and_decodes_the_same(target_fp32: Target) -> None:
+def test_embedded_target_takes_the_fast_forward_and_decodes_the_same(target_fp32: Target) -> None:
     """Greedy plain decoding through the engine gives the same tokens with either forward (in
-    float32: in bf16 the two forwards round differently, which only the lean path's own rows
+    float32: in bf16 the two forwards round differently, which only the fast forward's own rows
     need to avoid; test_batch_invariant.py checks those)."""
     target = target_fp32
-    assert target.fast_path is not None, target.fast_path_note
-    assert target.fast_path.packed == packing_works()
-    assert target.fast_path.packed_by == ("oneDNN" if onednn_fp32_works() else "MKL" if mkl_packing_works() else None)
+    assert target.fast_forward is not None, target.forward_note
+    assert target.fast_forward.packed == packing_works()
+    library = "oneDNN" if onednn_fp32_works() else "MKL" if mkl_packing_works() else None
+    assert target.fast_forward.packed_by == library
     hf = Target(model=target.model, tokenizer=target.tokenizer, name=target.name, device=target.device,
                 dtype=target.dtype, fast=False)
     prompts = ["Write a Python function that reverses a list.",
@@ -249,10 +241,10 @@ def test_embedded_target_takes_the_lean_path_and_decodes_the_same(target_fp32: T
         # 30 layers of fp32 GEMMs from two libraries (oneDNN here, MKL in transformers' path)
         # drift apart by ~1e-4 in logits of magnitude ~10; the tokens below must still agree.
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-3)
-        lean_out = finish(Engine(target, None).generate(messages, cfg, plain=True)).token_ids
+        fast_out = finish(Engine(target, None).generate(messages, cfg, plain=True)).token_ids
         hf_out = finish(Engine(hf, None).generate(messages, cfg, plain=True)).token_ids
-        assert len(lean_out) >= 10
-        assert lean_out == hf_out, prompt
+        assert len(fast_out) >= 10
+        assert fast_out == hf_out, prompt
 
 
 def test_packing_linear_tracks_its_weight_and_trains_like_nn_linear() -> None:

@@ -49,7 +49,6 @@ CHILD_TESTS_AT_LEAST = 40  # the child must really have run the kernel tests, no
 @pytest.mark.skipif(kernels.INTERPRETED, reason="already in the interpreter: the tests below run directly")
 def test_kernels_in_triton_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop("DFLASH_TRITON", None)
     env.pop("DFLASH_KERNEL_TEST_DEVICE", None)  # the interpreter's kernels take CPU tensors
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())],
@@ -87,16 +86,23 @@ def _kernel_on_device(fn, args: tuple, out: torch.Tensor | None, length: torch.T
 # ----- the dispatcher (no interpreter needed) -----
 
 
-def test_use_triton_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DFLASH_TRITON", raising=False)
+def test_use_triton_dispatch() -> None:
     assert kernels.use_triton("cuda") == HAVE_TRITON
     assert kernels.use_triton(torch.device("cuda", 0)) == HAVE_TRITON
     assert not kernels.use_triton("cpu")  # CPU keeps the torch rules by default
     assert not kernels.use_triton(torch.zeros(1))
-    monkeypatch.setenv("DFLASH_TRITON", "0")
-    assert not kernels.use_triton("cuda")
-    monkeypatch.setenv("DFLASH_TRITON", "1")
-    assert kernels.use_triton("cpu") == kernels.INTERPRETED  # CPU only through the interpreter
+    assert kernels.use_triton("cpu", interpret=True) == kernels.INTERPRETED  # CPU only through the interpreter
+
+
+def commit_reference(out: torch.Tensor, length: torch.Tensor, draft: torch.Tensor, accepted: torch.Tensor,
+                     token: torch.Tensor) -> None:
+    """The kernels' buffer write in plain torch, without a host sync: out[length + i] for i <= accepted."""
+    B = draft.shape[0] + 1
+    pos = torch.arange(B, device=out.device)
+    where = length.reshape(1) + pos
+    values = torch.where(pos < accepted, torch.cat([draft, draft.new_zeros(1)]), token).to(out.dtype)
+    out[where] = torch.where(pos <= accepted, values, out[where])
+    length += accepted + 1
 
 
 def test_speculative_accept_is_the_rule_on_drawn_uniforms() -> None:
@@ -207,7 +213,7 @@ def test_greedy_commits_into_the_token_buffer(B: int) -> None:
         assert out[: len(expected)].tolist() == expected
         assert (out[len(expected) :] == -7).all()  # nothing written past the committed tokens
         assert length.tolist() == [len(expected)]
-        kernels.commit_reference(ref_out, ref_len, draft, acc, tok)
+        commit_reference(ref_out, ref_len, draft, acc, tok)
         assert torch.equal(ref_out, out) and torch.equal(ref_len, length)
 
 
@@ -350,7 +356,8 @@ def toy_engine():
     """On the CPU for the interpreter's kernels; on the GPU with DFLASH_KERNEL_TEST_DEVICE=cuda."""
     from toy import toy_target
 
-    from dflash_core.drafter import DFlashDrafter, config_for_target, init_weights
+    from dflash_core.drafter import DFlashDrafter, init_weights
+    from dflash_core.drafter_config import config_for_target
     from dflash_core.engine import Engine
     from dflash_core.targets import Target
 
@@ -369,6 +376,7 @@ def test_engine_kernel_path_matches_torch_path(toy_engine, temperature: float,
     from dflash_core.config import GenerationConfig
 
     calls = {"n": 0}
+    use_triton = kernels.use_triton
     for name in ("greedy_accept_triton", "speculative_accept_triton"):
         original = getattr(kernels, name)
 
@@ -378,8 +386,9 @@ def test_engine_kernel_path_matches_torch_path(toy_engine, temperature: float,
 
         monkeypatch.setattr(kernels, name, counted)
 
-    def run(flag: str, seed: int) -> list[tuple[int, list[int]]]:
-        monkeypatch.setenv("DFLASH_TRITON", flag)
+    def run(kernel_path: bool, seed: int) -> list[tuple[int, list[int]]]:
+        # On the CPU the engine takes the kernels only through the interpreter, when asked to.
+        monkeypatch.setattr(kernels, "use_triton", lambda device: kernel_path and use_triton(device, interpret=True))
         # A chain (the kernels' accept step), as "auto" picks on a CPU when sampling; greedy "auto" would
         # verify a tree, whose walk runs on the host.
         cfg = GenerationConfig(max_new_tokens=14, block_size=4, temperature=temperature, seed=seed, verify="adaptive")
@@ -389,9 +398,9 @@ def test_engine_kernel_path_matches_torch_path(toy_engine, temperature: float,
     prompts = [[1, 3, 0, 2], [2, 2, 1], [0, 1, 2, 3, 3], [3, 0]]
     accepted = set()
     for seed in range(len(prompts)):
-        torch_path = run("0", seed)
+        torch_path = run(False, seed)
         assert calls["n"] == 0
-        kernel_path = run("1", seed)
+        kernel_path = run(True, seed)
         assert calls["n"] > 0  # the kernels really ran
         calls["n"] = 0
         assert kernel_path == torch_path

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from dflash_core.draft_tree import add_chain, grow_tree
-from dflash_core.lookup import CALIBRATION, LOOP_NGRAM, PRIOR, LookupRates, NgramIndex, with_lookup
+from dflash_core.lookup import GUESS_CALIBRATION, LOOP_NGRAM, PRIOR, LookupRates, NgramIndex, with_lookup
 
 
 def brute_guess(ids: list[int], path: list[int], length: int, max_ngram: int = 3) -> tuple[int, list[int]]:
@@ -106,7 +106,7 @@ def test_lookup_extends_the_drafters_best_nodes() -> None:
     below = [i for i in range(len(merged)) if merged.is_lookup(i)]
     assert [merged.tokens[i] for i in below] == [31, 32, 33]  # depth 2..4: max_depth caps the chain
     assert merged.path_to(below[-1])[0] == thirty and merged.depths[below[-1]] == 4
-    assert merged.scores[below[0]] == pytest.approx(merged.scores[thirty] * rates.scores(1, 1)[0] ** CALIBRATION)
+    assert merged.scores[below[0]] == pytest.approx(merged.scores[thirty] * rates.scores(1, 1)[0] ** GUESS_CALIBRATION)
     assert merged.scores == sorted(merged.scores, reverse=True)
     for i, p in enumerate(merged.parents):
         assert p < i

@@ -24,9 +24,11 @@ import torch
 
 from dflash_core.config import GenerationConfig
 from dflash_core.drafter import DFlashDrafter
-from dflash_core.engine import Draft, Engine, Prompt
+from dflash_core.drafting import Draft
+from dflash_core.engine import Engine, Prompt
 from dflash_core.events import BlockEvent, Finished
 from dflash_core.targets import Target
+from dflash_core.verify import Sampler
 
 REF_TOKENS = 24  # length of every plain greedy reference (and of the forced-draft runs)
 RANDOM_TOKENS = 8  # the random drafter accepts ~nothing, so each of its runs costs one block per token
@@ -192,8 +194,8 @@ class ForcedEngine(Engine):
         self.planned: list[int | None] = []  # corruption position of each block
         self.available: list[int] = []  # how many of each block's draft tokens came from the reference
 
-    def draft_block(self, anchor: int, start: int, pending: torch.Tensor | None, dcache: object,
-                    block: int, cfg: GenerationConfig, gen: torch.Generator) -> Draft:
+    def draft_block(self, anchor: int, start: int, context: torch.Tensor | None, cache: object, block: int,
+                    steps: int, sampler: Sampler) -> Draft:
         ref = self.ref.tokens
         a = start - self.ref.prompt_len  # index of the anchor in the reply
         assert anchor == ref[a], f"engine diverged from plain greedy at reply position {a}"

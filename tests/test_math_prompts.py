@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from dflash_core.train.data import EvalFilter, load_prompts
 from dflash_core.train.math_prompts import TEMPLATES, iter_math_prompts, math_problem
+from dflash_core.train.prompt_sources import EvalFilter, load_prompts
 
 
 def test_every_template_poses_a_whole_number_problem_on_many_draws() -> None:

@@ -18,11 +18,12 @@ from toy import toy_target
 
 from dflash_core import verify
 from dflash_core.config import GenerationConfig
-from dflash_core.drafter import DFlashDrafter, config_for_target, init_weights
+from dflash_core.drafter import DFlashDrafter, init_weights
+from dflash_core.drafter_config import config_for_target
 from dflash_core.engine import Engine
 from dflash_core.events import Finished
 from dflash_core.verify import logits_to_probs
-from dflash_core.verify_length import VerifyCost
+from dflash_core.verify_length import PassCosts, VerifyCost
 
 PROMPT = [1, 3, 0, 2]
 LENGTH = 3
@@ -127,7 +128,7 @@ def test_wrong_acceptance_rule_is_detected(toy_engine: Engine, monkeypatch: pyte
         accepted = (u * q[rows, draft] < p[rows, draft]).int().cumprod(0).sum()
         return accepted, verify.sample(p, generator)[accepted]
 
-    monkeypatch.setattr("dflash_core.engine.speculative_accept", wrong_accept)
+    monkeypatch.setattr("dflash_core.verify.speculative_accept", wrong_accept)
     cfg = GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1)
     counts, _ = sampled_counts(toy_engine, cfg)
     assert chi_square_p(counts, exact_distribution(toy_engine.target, cfg)) < 1e-3
@@ -136,7 +137,8 @@ def test_wrong_acceptance_rule_is_detected(toy_engine: Engine, monkeypatch: pyte
 def test_adaptive_verify_length_keeps_sampling_exact(toy_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """The adaptive verify length is chosen from the drafter's first-step distributions, before any
     token is drawn, so verifying one draft in some blocks and two in others stays exact."""
-    monkeypatch.setattr(toy_engine.target, "verify_cost", VerifyCost((1, 2, 3), (100.0, 115.0, 135.0)))
+    toy_costs = VerifyCost((1, 2, 3), (100.0, 115.0, 135.0))
+    monkeypatch.setattr(Engine, "pinned_costs", PassCosts(chain=toy_costs, tree=toy_costs, draft_ms=8.0))
     cfg = GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1, verify="adaptive")
     checked = Counter()
     counts: Counter = Counter()

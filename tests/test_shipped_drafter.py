@@ -3,6 +3,7 @@ accepts more than an untrained drafter of the same shape (a loose floor, not a s
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -10,7 +11,8 @@ from conftest import finish
 
 import dflash_core
 from dflash_core.config import GenerationConfig
-from dflash_core.drafter import DFlashDrafter, check_fit, init_weights, load_drafter
+from dflash_core.drafter import DFlashDrafter, init_weights, load_drafter
+from dflash_core.drafter_config import check_fit
 from dflash_core.engine import Engine
 from dflash_core.loading import SHIPPED_DRAFTER
 
@@ -69,8 +71,7 @@ def test_shipped_drafter_accepts_more_than_an_untrained_one(shipped: DFlashDraft
     assert committed["shipped"] > committed["untrained"] + 0.1
 
 
-def test_shipped_draft_vocabulary_is_used_and_exact(shipped: DFlashDrafter, target,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shipped_draft_vocabulary_is_used_and_exact(shipped: DFlashDrafter, target) -> None:
     assert shipped.draft_vocab is not None and shipped.draft_vocab.shape == (8192,)
     vocab = set(shipped.draft_vocab.tolist())
     engine = Engine(target, shipped)
@@ -84,5 +85,7 @@ def test_shipped_draft_vocabulary_is_used_and_exact(shipped: DFlashDrafter, targ
             fin = ev
         assert set(drafted) <= vocab  # drafts come from the draft vocabulary only...
         assert fin.token_ids == finish(engine.generate(prompt, config, plain=True)).token_ids  # ...output is exact
-    monkeypatch.setenv("DFLASH_DRAFT_VOCAB", "0")
-    assert Engine(target, shipped)._draft_head is None  # the off switch: draft over the full vocabulary
+    assert Engine(target, shipped).drafting.head is not None
+    whole = copy.deepcopy(shipped)
+    whole.draft_vocab = None
+    assert Engine(target, whole).drafting.head is None  # without one: draft over the full vocabulary

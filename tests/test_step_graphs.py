@@ -24,7 +24,7 @@ from tests.test_fast_forward import KINDS, assert_same, passes, tiny, wrap
 def graphed(model: torch.nn.Module) -> Target:
     t = Target(model=model, tokenizer=None, name="tiny", device=torch.device("cpu"), dtype=torch.float32,
                graphs=True)
-    assert t.step_graphs is not None and not t.step_graphs.capture, t.fast_path_note
+    assert t.step_graphs is not None and not t.step_graphs.capture, t.forward_note
     return t
 
 
@@ -113,14 +113,14 @@ def test_a_pass_that_cannot_be_captured_turns_graphs_off(monkeypatch: pytest.Mon
     want, _ = ref.forward(step, ref_cache)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert cache.length == 8
-    assert "turned off: capturing a 3-token pass failed: operation not permitted" in target.fast_path_note
+    assert "turned off: capturing a 3-token pass failed: operation not permitted" in target.forward_note
     assert target.step_graphs.forward(step, cache) is None
 
 
-def test_graphs_need_the_lean_forward() -> None:
+def test_graphs_need_the_fast_forward() -> None:
     t = Target(model=tiny("llama"), tokenizer=None, name="tiny", device=torch.device("cpu"),
                dtype=torch.float32, fast=False, graphs=True)
-    assert t.step_graphs is None and "no CUDA graphs" in t.fast_path_note
+    assert t.step_graphs is None and "no CUDA graphs" in t.forward_note
     assert wrap(tiny("llama"), fast=True).step_graphs is None  # off unless asked for
 
 

@@ -9,10 +9,11 @@ import torch
 
 from dflash_core.train.answers import ID_SUFFIX, agreement, label_samples, main
 from dflash_core.train.batch import collate
-from dflash_core.train.data import generate_batch, iter_samples
-from dflash_core.train.features import build_features, cache_dir, feature_files, load_feature_file, sequence_features
+from dflash_core.train.data import generate_batch
+from dflash_core.train.features import build_features, cache_dir, load_feature_file, sequence_features
 from dflash_core.train.recipe import IGNORE, build_blocks
-from dflash_core.train.run import is_heldout, load_samples
+from dflash_core.train.samples import is_heldout, load_samples
+from dflash_core.train.shards import iter_samples
 
 B, MASK = 4, 0
 
@@ -83,10 +84,10 @@ def test_answers_cli_writes_resumable_shards_and_reusable_features(tmp_path: Pat
         assert len(s["greedy_ids"]) == len(s["response_ids"]) and s["response_ids"][-1] in target.eos_ids
     # Training's feature pass finds every shard done (same layers, same ids) and rewrites nothing.
     feats_dir = cache_dir(cache, out)
-    stamps = {f: f.stat().st_mtime_ns for f in feature_files(feats_dir)}
+    stamps = {f: f.stat().st_mtime_ns for f in sorted(feats_dir.glob("feats-*.safetensors"))}
     assert len(stamps) == len(manifest["shards"])
     build_features(target, out, feats_dir, [1, 27], progress=False)
-    assert {f: f.stat().st_mtime_ns for f in feature_files(feats_dir)} == stamps
+    assert {f: f.stat().st_mtime_ns for f in feats_dir.glob("feats-*.safetensors")} == stamps
     seq = load_feature_file(next(iter(stamps)))[0]
     assert seq.feats.shape == (len(seq.ids), 2 * 576)
     # Training reads the target's choices aligned with the positions they are for.

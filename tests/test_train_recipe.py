@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-from dflash_core.drafter import DFlashConfig, DFlashDrafter, config_for_target, init_weights
+from dflash_core.drafter import DFlashDrafter, init_weights
+from dflash_core.drafter_config import DFlashConfig, config_for_target
+from dflash_core.train.batch import BatchOutput
 from dflash_core.train.recipe import (
     IGNORE,
     block_attention_mask,
     build_blocks,
     default_gamma,
-    position_accuracy,
     position_weights,
     sample_anchors,
-    weighted_block_loss,
 )
 
 H, B, VOCAB, MASK = 32, 4, 50, 49
@@ -75,27 +75,6 @@ def test_blocks_inputs_labels_and_ends() -> None:
     assert bb.labels.tolist() == [IGNORE, 17, 18, 19, IGNORE, 28, 29, IGNORE]
     assert (bb.weights[bb.labels == IGNORE] == 0).all()
     assert bb.context_len == 17
-
-
-def test_partial_masking_shows_true_tokens_without_loss() -> None:
-    ids = torch.arange(100, 400)
-    anchors = list(range(0, 280, 7))
-    plain = build_blocks(ids, anchors, 16, MASK)
-    g = torch.Generator().manual_seed(0)
-    part = build_blocks(ids, anchors, 16, MASK, reveal=0.8, generator=g)
-    shown = (part.input_ids != MASK) & (torch.arange(part.input_ids.shape[0]) % 16 != 0)
-    # Shown positions hold the true token (the label they no longer carry) and weigh nothing.
-    assert 0 < int(shown.sum()) < int((plain.labels != IGNORE).sum())
-    assert torch.equal(part.input_ids[shown], plain.labels[shown])
-    assert (part.labels[shown] == IGNORE).all() and (part.weights[shown] == 0).all()
-    # Everything else is the plain recipe: anchors, still-masked labels and their weights.
-    assert torch.equal(part.labels[~shown], plain.labels[~shown])
-    assert torch.equal(part.weights[~shown], plain.weights[~shown])
-    assert torch.equal(part.input_ids[~shown], plain.input_ids[~shown])
-    # Rates differ per block (r ~ U(0, R)): some blocks show much more than others.
-    per_block = shown.view(-1, 16).sum(1)
-    assert int(per_block.max()) - int(per_block.min()) >= 5
-    assert torch.equal(build_blocks(ids, anchors, 16, MASK, reveal=0.0).input_ids, plain.input_ids)
 
 
 def test_mask_shape_and_rules() -> None:
@@ -226,12 +205,20 @@ def test_position_weights() -> None:
     assert math.isclose(float(position_weights(4, gamma=2.0)[3]), math.exp(-1.0), rel_tol=1e-6)
 
 
+def labelled(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> BatchOutput:
+    """One sequence's labelled block positions, as `batch_forward` hands them to the loss."""
+    valid = labels != IGNORE
+    slots = torch.arange(len(labels)) % B
+    return BatchOutput(logits=logits[valid], labels=labels[valid], weights=weights[valid].float(),
+                       rows=torch.zeros(int(valid.sum()), dtype=torch.long), slots=slots[valid])
+
+
 def test_weighted_loss_matches_hand_computation_and_ignores_invalid() -> None:
     torch.manual_seed(2)
     ids = torch.randint(0, 10, (12,))
     bb = build_blocks(ids, [5, 9], B, 0, gamma=3.0)  # block 2 (positions 9..12) runs past the end
     logits = torch.randn(2 * B, 10, requires_grad=True)
-    loss = weighted_block_loss(logits, bb.labels, bb.weights)
+    loss = labelled(logits, bb.labels, bb.weights).loss()
     num, den = 0.0, 0.0
     for q in range(2 * B):
         k, lab = q % B, int(bb.labels[q])
@@ -248,24 +235,11 @@ def test_weighted_loss_matches_hand_computation_and_ignores_invalid() -> None:
     assert (logits.grad[~ignored].abs().sum(-1) > 0).all()
 
 
-def test_position_accuracy_counts() -> None:
+def test_position_hits_count_per_block_position() -> None:
     labels = torch.tensor([IGNORE, 1, 2, IGNORE, IGNORE, 3, 4, 5])
     logits = torch.full((8, 6), -1.0)
     for q, t in enumerate([0, 1, 0, 0, 0, 3, 0, 5]):
         logits[q, t] = 1.0
-    hits, counts = position_accuracy(logits, labels, 4)
+    hits, counts = labelled(logits, labels, torch.ones(8)).position_hits(4)
     assert counts.tolist() == [0, 2, 2, 1]
     assert hits.tolist() == [0, 2, 0, 1]
-
-
-def test_context_window_curriculum_keeps_only_recent_context() -> None:
-    """With a window w, the block at anchor a sees context keys [a - w, a) and still its own block."""
-    anchors, b, t, w = [3, 9, 20], 4, 20, 5
-    m = block_attention_mask(anchors, b, t, window=w)
-    full = block_attention_mask(anchors, b, t)
-    for j, a in enumerate(anchors):
-        rows = slice(j * b, (j + 1) * b)
-        seen = m[rows, :t].all(0).nonzero().flatten().tolist()
-        assert seen == list(range(max(0, a - w), a))
-        assert torch.equal(m[rows, t:], full[rows, t:])  # block part untouched
-    assert (m <= full).all()  # a window only ever removes keys

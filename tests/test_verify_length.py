@@ -9,10 +9,11 @@ import random
 
 import pytest
 import torch
-from conftest import finish
+from conftest import CPU_LIKE, finish
 from test_lossless import check_events, run
 
 from dflash_core.config import GenerationConfig
+from dflash_core.draft_tree import max_tree_nodes
 from dflash_core.drafter import DFlashDrafter, load_drafter
 from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
@@ -20,16 +21,16 @@ from dflash_core.loading import SHIPPED_DRAFTER
 from dflash_core.verify_length import (
     MIN_DRAFT_LENGTH,
     VerifyCost,
-    calibration_sizes,
-    calibration_tree,
-    choose_verify_length,
+    chain_scores,
+    choose_prefix,
     measure_verify_cost,
     next_draft_length,
     resolve_mode,
+    timed_sizes,
+    timing_tree,
 )
 
 # Shaped like this CPU's measurements: 2 tokens cost 1.15 one-token passes, 16 tokens 2.3.
-CPU_LIKE = VerifyCost((1, 2, 4, 16), (60.0, 69.0, 90.0, 138.0))
 FLAT = VerifyCost((1, 16), (10.0, 10.0))
 
 
@@ -63,7 +64,7 @@ def test_choice_maximises_expected_tokens_per_second() -> None:
         conf = [rng.random() ** rng.choice([0.3, 1, 3]) for _ in range(n)]
         cost = rng.choice([CPU_LIKE, FLAT, VerifyCost((1, 2, 3, 8), (1.0, 1.5, 1.6, 4.0))])
         draft_ms = rng.choice([0.0, 5.0, 30.0])
-        m = choose_verify_length(conf, cost, draft_ms)
+        m = choose_prefix(chain_scores(conf), cost, draft_ms)
         best = max(rate(conf, cost, draft_ms, k) for k in range(1, n + 1))
         assert rate(conf, cost, draft_ms, m) == pytest.approx(best, rel=1e-12)
         chosen.add(m)
@@ -71,11 +72,11 @@ def test_choice_maximises_expected_tokens_per_second() -> None:
 
 
 def test_choice_extremes() -> None:
-    assert choose_verify_length([0.99] * 15, FLAT, 1.0) == 15  # free verification: take everything
-    assert choose_verify_length([0.01] * 15, CPU_LIKE, 8.0) == 1  # an unsure drafter on a CPU: one token
-    assert choose_verify_length([0.95, 0.9, 0.05, 0.9], CPU_LIKE, 8.0) == 2  # stop before the doubt
+    assert choose_prefix(chain_scores([0.99] * 15), FLAT, 1.0) == 15  # free verification: take everything
+    assert choose_prefix(chain_scores([0.01] * 15), CPU_LIKE, 8.0) == 1  # an unsure drafter on a CPU: one token
+    assert choose_prefix(chain_scores([0.95, 0.9, 0.05, 0.9]), CPU_LIKE, 8.0) == 2  # stop before the doubt
     with pytest.raises(ValueError):
-        choose_verify_length([], CPU_LIKE, 1.0)
+        choose_prefix(chain_scores([]), CPU_LIKE, 1.0)
 
 
 def test_drafted_length_follows_what_was_verified() -> None:
@@ -90,7 +91,7 @@ def test_drafted_length_follows_what_was_verified() -> None:
 
 def test_mode_resolution_and_validation() -> None:
     assert resolve_mode("auto", "cpu") == "adaptive"
-    assert resolve_mode("auto", "cpu", greedy=True, tree_ok=True) == "tree"  # greedy on the lean forward
+    assert resolve_mode("auto", "cpu", greedy=True, tree_ok=True) == "tree"  # greedy on the fast forward
     assert resolve_mode("auto", "cpu", greedy=False, tree_ok=True) == "adaptive"  # sampling keeps the chain
     assert resolve_mode("auto", "cpu", greedy=True, tree_ok=False) == "adaptive"
     assert resolve_mode("auto", "cuda", greedy=True, tree_ok=True) == "full"
@@ -105,7 +106,7 @@ def test_mode_resolution_and_validation() -> None:
 
 def test_calibration_on_the_real_target(target) -> None:
     cost = measure_verify_cost(target, [1, 27], 16)
-    assert cost.sizes == tuple(calibration_sizes(16)) and cost.sizes[-1] == 16
+    assert cost.sizes == tuple(timed_sizes(16)) and cost.sizes[-1] == 16
     assert all(b >= a > 0 for a, b in itertools.pairwise(cost.ms))  # never cheaper for more tokens
 
 
@@ -134,9 +135,6 @@ PROMPTS = [
 @pytest.mark.parametrize("block", [2, 4, 8, 16])
 def test_adaptive_output_is_plain_greedy_output(target, shipped_engine: Engine, plain_outputs: list[list[int]],
                                                 block: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A fixed CPU-shaped table, so the choices do not depend on this machine's timing noise.
-    monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
-    monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     cfg = GenerationConfig(max_new_tokens=40, block_size=block, verify="adaptive")
     shorter = fewer_drafted = 0
     for prompt, plain in zip(PROMPTS, plain_outputs, strict=True):
@@ -153,8 +151,6 @@ def test_adaptive_output_is_plain_greedy_output(target, shipped_engine: Engine, 
 
 
 def test_full_mode_verifies_every_draft(target, shipped_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(target, "verify_cost", CPU_LIKE)
-    monkeypatch.setattr(target, "tree_cost", CPU_LIKE)
     cfg = GenerationConfig(max_new_tokens=24, block_size=8, verify="full")
     events, fin = run(shipped_engine, PROMPTS[0], cfg)
     check_events(events, fin, prompt_len=fin.prompt_tokens, max_new=24, block=8, eos=target.eos_ids, full=True)
@@ -164,10 +160,27 @@ def test_full_mode_verifies_every_draft(target, shipped_engine: Engine, monkeypa
 def test_tree_calibration_times_tree_passes(target) -> None:
     """Tree modes size their trees with the cost of tree passes (their rows' ancestors are
     gathered: dearer than a chain of as many tokens on the batch-invariant path)."""
-    depths, visible = calibration_tree(9, torch.device("cpu"))
+    depths, visible = timing_tree(9, torch.device("cpu"))
     assert depths.tolist() == [0, 1, 1, 2, 2, 3, 3, 4, 4]
     assert visible.sum(1).tolist() == [d + 1 for d in depths.tolist()]  # itself and one row per depth
     assert visible[8].nonzero().flatten().tolist() == [0, 2, 4, 6, 8]
     cost = measure_verify_cost(target, [1, 27], 8, tree=True)
-    assert cost.sizes == tuple(calibration_sizes(8))
+    assert cost.sizes == tuple(timed_sizes(8))
     assert all(b >= a > 0 for a, b in itertools.pairwise(cost.ms))
+
+
+def test_unpinned_engine_measures_once_and_stays_exact(target, shipped_engine: Engine, plain_outputs: list[list[int]],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without pinned costs an engine times the target's passes on first use, keeps them on the
+    target for every engine, and sizes blocks from them; the output is plain greedy's whatever
+    the machine's load made of the sizes."""
+    monkeypatch.setattr(Engine, "pinned_costs", None)
+    monkeypatch.setattr(target, "measured_costs", {})
+    chain = shipped_engine.cost_table("adaptive", 8)
+    assert chain is not None and chain.sizes[-1] >= 8 and target.measured_costs["chain"] is chain
+    assert Engine(target, shipped_engine.drafter).cost_table("adaptive", 8) is chain  # not measured again
+    tree = shipped_engine.cost_table("tree", 8)
+    assert tree is target.measured_costs["tree"] and tree.sizes[-1] >= max_tree_nodes(8, sized=True) + 1
+    assert shipped_engine.cost_table("full", 8) is None
+    fin = finish(shipped_engine.generate(PROMPTS[0], GenerationConfig(max_new_tokens=40, block_size=8, verify="tree")))
+    assert fin.token_ids == plain_outputs[0]

@@ -1,3 +1,3 @@
-"""Drafter training: prompts and target regeneration (data), anchors/mask/loss/schedule (recipe),
-the target feature cache (features), padded multi-sequence batches (batch), a fresh drafter
-(drafter_init) and the `train` command that ties them together (run)."""
+"""Drafter training: prompts and the target's replies (prompt, prompt_sources, code_prompts,
+math_prompts, shards, data, answers), the recipe (recipe, batch, features, drafter_init), and the
+`train` command (run, with args, samples, state, loop and evaluate)."""

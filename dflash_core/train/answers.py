@@ -29,9 +29,11 @@ from typing import Any
 
 import torch
 
-from .data import EvalFilter, Prompt, chat_ids, encode_shard, load_prompts, shard_paths, write_atomic, write_manifest
-from .data import done_ids as _done_ids
+from .data import chat_ids
 from .features import cache_dir, feature_name, sequence_features, write_feature_file
+from .prompt import Prompt
+from .prompt_sources import EvalFilter, load_prompts
+from .shards import done_ids, encode_shard, shard_paths, write_atomic, write_manifest
 
 ID_SUFFIX = "#answer"  # a prompt may also have a regenerated reply; ids must stay unique
 _MARKUP = re.compile(r"<(div|p|span|pre|code|br|ol|ul|li)\b", re.I)  # early ShareGPT scraped HTML
@@ -98,7 +100,7 @@ def label_into(target: Any, out: str | Path, *, source: str = "sharegpt", limit:
                 "max_prompt_tokens": max_prompt_tokens, "max_answer_tokens": max_answer_tokens}
     prompts = load_prompts(source, seed=seed, stats=stats)
     filt = EvalFilter.default()
-    done = _done_ids(out)
+    done = done_ids(out)
     shards = shard_paths(out)
     next_shard = int(shards[-1].name.split("-")[1].split(".")[0]) + 1 if shards else 0
     want = (limit - len(done)) if limit else len(prompts)
@@ -146,7 +148,7 @@ def label_into(target: Any, out: str | Path, *, source: str = "sharegpt", limit:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ..drafter import default_target_layer_ids
+    from ..drafter_config import default_target_layer_ids
     from ..targets import load_target
 
     ap = argparse.ArgumentParser(prog="python -m dflash_core.train.answers", description=__doc__.split("\n\n")[0])

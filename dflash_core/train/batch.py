@@ -51,10 +51,9 @@ Row = tuple[torch.Tensor, list[int]] | tuple[torch.Tensor, list[int], torch.Tens
 
 
 def collate(rows: list[Row], block_size: int, mask_token_id: int,
-            gamma: float | None = None, window: int | None = None, reveal: float = 0.0,
-            generator: torch.Generator | None = None) -> PaddedBatch:
+            gamma: float | None = None) -> PaddedBatch:
     """`rows`: (ids [L], sorted anchors[, greedy [L] or None]) per sequence, each with at least
-    one anchor; `greedy` and `reveal` (partial masking): see `recipe.build_blocks`."""
+    one anchor; `greedy`: see `recipe.build_blocks`."""
     if not rows or any(not r[1] for r in rows):
         raise ValueError("every row needs at least one anchor")
     n_max = max(len(r[1]) for r in rows)
@@ -72,7 +71,7 @@ def collate(rows: list[Row], block_size: int, mask_token_id: int,
         lengths.append(n)
         # Dummy anchors at 0: they see no context key (p < 0) and only their own block.
         bb = build_blocks(seq, [*anchors, *[0] * (n_max - len(anchors))], b, mask_token_id, gamma, context_len=t,
-                          window=window, reveal=reveal, generator=generator, greedy=greedy)
+                          greedy=greedy)
         real = len(anchors) * b
         bb.labels[real:] = IGNORE
         bb.weights[real:] = 0.0

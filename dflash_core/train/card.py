@@ -5,13 +5,15 @@
 
 The card is built only from what the run and the benchmark wrote (`train_report.json`, bench
 JSON reports): data, steps, hardware, wall time, held-out accuracy, tau per evaluation set. It
-invents nothing, so regenerating it after a new run or benchmark is one command.
+invents nothing, so regenerating it after a new run or benchmark is one command. A hand-written
+`## Lineage` section at the end of the card being replaced is carried over.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from collections.abc import Sequence
@@ -19,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ..corpus import FILE_NAME as CORPUS_FILE
-from ..drafter import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME, load_drafter
+from ..drafter import load_drafter
+from ..drafter_io import CONFIG_NAME, DRAFT_VOCAB_NAME, WEIGHTS_NAME
 from ..errors import DFlashError
 from .run import REPORT_NAME
 
 CARD_NAME = "MODEL_CARD.md"
+LINEAGE = re.compile(r"^## Lineage\b", re.M)  # a hand-written last section that a rewrite keeps
 
 
 def _folder_entry(folder: str, repeats: dict[str, int]) -> str:
@@ -117,12 +121,18 @@ def model_card(report: dict[str, Any], bench: list[Path], notes: Sequence[str] =
                   "| set | prompts | new tokens | method | tau | speed-up | exact | hardware |",
                   "|---|---|---|---|---|---|---|---|", *_bench_rows(bench)]
     lines += ["", "## Limits",
-              "- Trained on tens of thousands of samples, mostly on a 2-core CPU (the history above says",
+              "- Trained on tens of thousands of samples, mostly on a 2-core CPU (see the lineage for",
               "  which runs had a GPU): far below the published DFlash recipe (hundreds of thousands of",
-              "  conversations, many GPU hours). tau is correspondingly modest; see the project README for",
-              "  what limits it and for the GPU training script.",
+              "  conversations, many GPU hours). tau is correspondingly modest; see `docs/training.md`",
+              "  (*What limits the drafter*, *On a GPU*) for what limits it and for the GPU training script.",
               "- Output is exact whatever the drafter: a weak drafter costs speed, never correctness.", ""]
     return "\n".join(lines)
+
+
+def lineage_section(card: str) -> str:
+    """An existing card's hand-written `## Lineage` section, from its heading to the end ("" if none)."""
+    m = LINEAGE.search(card)
+    return card[m.start():].rstrip() + "\n" if m else ""
 
 
 def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) -> Path:
@@ -143,7 +153,10 @@ def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) 
                   "(rebuild it with python -m dflash_core.train.corpus)", file=sys.stderr)
     report = json.loads(report_path.read_text())
     table = drafter.corpus  # the run's table, as copied above
-    (dest / CARD_NAME).write_text(model_card(report, bench, notes, table.meta if table else None))
+    card = model_card(report, bench, notes, table.meta if table else None)
+    old = dest / CARD_NAME
+    lineage = lineage_section(old.read_text()) if old.is_file() else ""
+    old.write_text(card + ("\n" + lineage if lineage else ""))
     (dest / "train_report.json").write_text(json.dumps(report, indent=1) + "\n")
     return dest
 

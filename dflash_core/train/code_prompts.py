@@ -1,7 +1,7 @@
 """Coding requests built from Python source: "implement this function", for training data.
 
 ShareGPT's chats are mostly prose, and a drafter trained on them drafts code worse than prose
-(chain tau 1.40 on HumanEval against 1.67 on GSM8K with session 13's drafter). Any Python tree
+(chain tau 1.40 on HumanEval against 1.67 on GSM8K with an earlier drafter). Any Python tree
 holds thousands of documented functions; each becomes one request whose prompt is the
 function's stub (signature and docstring, inside its class for a method) under one of a few
 phrasings, and whose `answer` is the function's own source (for `answers.py`). The target then
@@ -9,7 +9,7 @@ writes its own implementation (`data.py generate --source python-stdlib`), which
 drafter must learn to predict. The default tree, the Python standard library, is on every
 machine (offline) and PSF-licensed; `pycode:DIR` reads any other folder.
 
-The evaluation sets stay out as for every source: `data.load_prompts` drops any request whose
+The evaluation sets stay out as for every source: `prompt_sources.load_prompts` drops any request whose
 text contains a HumanEval signature or docstring.
 """
 
@@ -22,7 +22,7 @@ import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
-from .data import Prompt
+from .prompt import Prompt
 
 # Varied phrasings: the drafter should learn the target's code, not one request's wording.
 TEMPLATES = (

@@ -20,9 +20,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..corpus import FILE_NAME, CorpusNgrams, build_corpus
-from ..drafter import CONFIG_NAME
+from ..drafter_io import CONFIG_NAME
 from ..errors import DFlashError
-from .data import read_shard, shard_paths
+from .shards import read_shard, shard_paths
 
 
 def training_triples(folders: list[str], progress: bool = True) -> Iterator[tuple[list[int], list[int], list[int]]]:

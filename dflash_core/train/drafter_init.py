@@ -1,12 +1,9 @@
 """A fresh drafter for a target: shaped like the target's layers, initialised as asked.
 
-`init`: "random" (small normal weights), "target-last" (copies of the target's last layers),
-"target:i,j" (copies of the target's layers i, j) or "from:DIR" (a warm start from an earlier
-drafter of the same shape, or a shallower one grown to the new depth, or one on fewer target
-layers widened to more (see `widen_fc`): its fp32 `train_state.pt`
-when DIR is a training run, else its checkpoint); `fc_init` "mean" starts `fc` as the mean of
-the concatenated target layers instead of random. Which of these trains fastest is measured,
-not assumed: see the README's training section.
+`init`: "random" (small normal weights), "target-last" (copies of the target's last layers)
+or "from:DIR" (a warm start from an earlier drafter of the same shape, or a shallower one grown
+to the new depth, or one on fewer target layers widened to more (see `widen_fc`): its fp32
+`train_state.pt` when DIR is a training run, else its checkpoint).
 """
 
 from __future__ import annotations
@@ -16,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..drafter import DFlashDrafter, config_for_target, init_weights
+from ..drafter import DFlashDrafter, init_weights
+from ..drafter_config import config_for_target
 
 
 def init_from_target(drafter: DFlashDrafter, target_model: Any, layer_ids: list[int]) -> None:
@@ -103,24 +101,15 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def build_drafter(target: Any, layer_ids: list[int], *, num_layers: int = 2, block_size: int = 16,
-                  mask_token_id: int = 0, init: str = "random", fc_init: str = "random",
-                  seed: int = 0) -> DFlashDrafter:
+                  mask_token_id: int = 0, init: str = "random", seed: int = 0) -> DFlashDrafter:
     cfg = config_for_target(target.config, num_layers=num_layers, block_size=block_size,
                             mask_token_id=mask_token_id)
     cfg.target_layer_ids = list(layer_ids)
     drafter = init_weights(DFlashDrafter(cfg), seed=seed)
     if init == "target-last":
         init_from_target(drafter, target.model, list(range(target.num_layers - num_layers, target.num_layers)))
-    elif init.startswith("target:"):
-        init_from_target(drafter, target.model, [int(x) for x in init.split(":", 1)[1].split(",")])
     elif init.startswith("from:"):
         warm_start(drafter, Path(init.split(":", 1)[1]))
     elif init != "random":
-        raise ValueError(f"unknown init {init!r} (random, target-last, target:i,j or from:DIR)")
-    if fc_init == "mean":
-        n, h = len(layer_ids), cfg.hidden_size
-        with torch.no_grad():
-            drafter.fc.weight.copy_(torch.eye(h).repeat(1, n) / n)
-    elif fc_init != "random":
-        raise ValueError(f"unknown fc init {fc_init!r} (random or mean)")
+        raise ValueError(f"unknown init {init!r} (random, target-last or from:DIR)")
     return drafter

@@ -1,6 +1,6 @@
 """Target features for training, computed once and cached on disk as fp16.
 
-For every sample of a data folder (see `data.py`), the target reads prompt + response once
+For every sample of a data folder (see `shards.py`), the target reads prompt + response once
 and we keep its hidden states at the drafter's `target_layer_ids`, concatenated: exactly the
 context the drafter gets at inference. One `feats-NNNNN.safetensors` per data shard holds all
 its sequences end to end ([sum of lengths, len(layer_ids) * H], fp16) plus the token ids and
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .data import read_shard, shard_paths
+from .shards import read_shard, shard_paths
 
 FEATURE_VERSION = 1
 
@@ -205,12 +205,8 @@ def load_feature_file(path: str | os.PathLike[str], layer_ids: list[int] | None 
                      feats=feats[off[k]:off[k + 1]]) for k in range(len(ids))]
 
 
-def feature_files(folder: str | os.PathLike[str]) -> list[Path]:
-    return sorted(Path(folder).glob("feats-*.safetensors"))
-
-
 def main() -> None:
-    from ..drafter import default_target_layer_ids
+    from ..drafter_config import default_target_layer_ids
     from ..targets import load_target
 
     ap = argparse.ArgumentParser(prog="python -m dflash_core.train.features")

@@ -12,7 +12,7 @@ check the templates. Editing a template changes the texts behind its ids: replie
 keep the prompt they answered (a data shard stores the prompt's tokens), but a top-up skips those
 ids rather than asking the new texts.
 
-The evaluation sets stay out as for every source: `data.load_prompts` drops any prompt that
+The evaluation sets stay out as for every source: `prompt_sources.load_prompts` drops any prompt that
 contains a GSM8K question, and these are written here, not taken from any dataset.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 
-from .data import Prompt
+from .prompt import Prompt
 
 PEOPLE = (
     ("Maya", "she", "her"), ("Liam", "he", "his"), ("Aisha", "she", "her"), ("Carlos", "he", "his"),

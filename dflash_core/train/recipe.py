@@ -1,4 +1,4 @@
-"""The DFlash training recipe as pure functions: anchors, the block-sparse mask, the loss.
+"""The DFlash training recipe as pure functions: anchors, the block-sparse mask, the loss weights.
 
 One training sequence is `ids = prompt + response` (length L) with the target's features
 `feats[p]` for every position p (the target's hidden states after reading token p). A block
@@ -21,7 +21,6 @@ from itertools import pairwise
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 
 IGNORE = -100
 
@@ -81,15 +80,12 @@ class BlockBatch:
     context_len: int  # features of positions [0, T) are the context keys
 
 
-def block_attention_mask(anchors: list[int], block_size: int, context_len: int,
-                         window: int | None = None) -> torch.Tensor:
+def block_attention_mask(anchors: list[int], block_size: int, context_len: int) -> torch.Tensor:
     """bool [N*B, T + N*B]: True where a block query may attend.
 
     Keys are the T context positions, then the N blocks end to end. Block j sees context keys
     p < anchors[j] (never its own anchor's features: at inference they do not exist yet) and
-    its own B keys in both directions; never another block. `window` (a training curriculum,
-    not what inference sees) keeps only the last `window` context keys before each anchor, so
-    the anchor is not one key among hundreds while the drafter learns to use it.
+    its own B keys in both directions; never another block.
     """
     n, b = len(anchors), block_size
     if any(a > context_len for a in anchors):
@@ -97,8 +93,6 @@ def block_attention_mask(anchors: list[int], block_size: int, context_len: int,
     a = torch.tensor(anchors, dtype=torch.long).repeat_interleave(b)  # [N*B] anchor of each query
     p = torch.arange(context_len)[None, :]
     ctx = p < a[:, None]
-    if window is not None:
-        ctx &= p >= a[:, None] - window
     blk = torch.arange(n).repeat_interleave(b)
     own = blk[:, None] == blk[None, :]
     return torch.cat([ctx, own], dim=1)
@@ -106,8 +100,7 @@ def block_attention_mask(anchors: list[int], block_size: int, context_len: int,
 
 def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: int, mask_token_id: int,
                  gamma: float | None = None, context_len: int | None = None,
-                 window: int | None = None, reveal: float = 0.0,
-                 generator: torch.Generator | None = None, greedy: torch.Tensor | None = None) -> BlockBatch:
+                 greedy: torch.Tensor | None = None) -> BlockBatch:
     """Blocks for one sequence `ids` [L] at the given anchors.
 
     `context_len` defaults to the last anchor: features at or after it are never attended.
@@ -117,10 +110,6 @@ def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: 
     with the target at a+1..a+k-1, and carries no label after the first disagreement (the
     text is then not what the target would have read). Without it the text is the target's
     own reply and is its own label.
-    `reveal` (partial masking, for multi-step denoising): each block draws a rate r ~ U(0, reveal)
-    and shows each of its positions 1..B-1 with probability r as the true token instead of the
-    mask; shown positions carry no loss. A drafter trained so learns to use tokens an earlier
-    denoising step has fixed, which a drafter that only ever saw full masks cannot.
     """
     ids = torch.as_tensor(ids, dtype=torch.long)
     seq_len = ids.shape[0]
@@ -142,38 +131,11 @@ def build_blocks(ids: torch.Tensor | list[int], anchors: list[int], block_size: 
     labels[:, 0] = IGNORE  # the anchor is given, not predicted
     inp = torch.full_like(pos, mask_token_id)
     inp[:, 0] = ids[pos[:, 0]]
-    if reveal > 0:
-        rate = torch.rand((len(anchors), 1), generator=generator) * reveal
-        shown = (torch.rand(pos.shape, generator=generator) < rate) & (labels != IGNORE)
-        inp = torch.where(shown, labels, inp)
-        labels = labels.masked_fill(shown, IGNORE)
     w = position_weights(b, gamma)[None, :].expand_as(pos) * (labels != IGNORE)
     t = max(anchors) if context_len is None else context_len
-    mask = block_attention_mask(anchors, b, t, window)[None, None]
+    mask = block_attention_mask(anchors, b, t)[None, None]
     return BlockBatch(anchors=list(anchors), block_size=b, input_ids=inp.reshape(-1), positions=pos.reshape(-1),
                       labels=labels.reshape(-1), weights=w.reshape(-1).contiguous(), mask=mask, context_len=t)
-
-
-def weighted_block_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Cross entropy per block position, weighted, normalised by the weight of valid positions.
-
-    logits [..., V] (any float dtype; the softmax runs in fp32), labels/weights [...].
-    """
-    logits = logits.reshape(-1, logits.shape[-1]).float()
-    labels, weights = labels.reshape(-1), weights.reshape(-1).float()
-    ce = F.cross_entropy(logits, labels.clamp_min(0), reduction="none")
-    valid = (labels != IGNORE).float()
-    w = weights * valid
-    return (ce * w).sum() / w.sum().clamp_min(1e-12)
-
-
-@torch.no_grad()
-def position_accuracy(logits: torch.Tensor, labels: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hits, counts), each [B]: argmax matches per block position, for accuracy curves."""
-    pred = logits.argmax(-1).reshape(-1, block_size)
-    lab = labels.reshape(-1, block_size)
-    valid = lab != IGNORE
-    return ((pred == lab) & valid).sum(0), valid.sum(0)
 
 
 def expected_accepted(hits: torch.Tensor, counts: torch.Tensor) -> float:

