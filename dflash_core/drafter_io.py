@@ -55,6 +55,7 @@ def read_config(folder: Path) -> DFlashConfig:
 def read_weights(folder: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """All *.safetensors shards of the folder, checked against a model's `expected` state dict
     (names and shapes); keys the model does not have are dropped."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     shards = sorted(folder.glob("*.safetensors"))
@@ -62,7 +63,11 @@ def read_weights(folder: Path, expected: dict[str, torch.Tensor]) -> dict[str, t
         raise DFlashError(f"drafter folder {folder} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for shard in shards:
-        state.update(load_file(str(shard)))
+        try:
+            state.update(load_file(str(shard)))
+        except (SafetensorError, OSError) as e:
+            raise DFlashError(f"drafter weights {shard} cannot be read ({e}): the file is damaged or "
+                              "incomplete; download or copy it again") from None
     state = {k.removeprefix("model."): v for k, v in state.items()}
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
     if missing:

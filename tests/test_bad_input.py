@@ -297,3 +297,65 @@ def test_no_warning_when_it_fits(target: Target, random_drafter: DFlashDrafter,
     eng = Engine(small_window(target, len(prompt_ids) + 4), random_drafter)
     fin = finish(eng.generate(prompt_ids, GenerationConfig(max_new_tokens=3, block_size=4)))
     assert fin.warnings == [] and fin.reason == "length" and fin.token_ids == ref[:3]
+
+
+# ----- damaged weight files -----
+
+
+def _cut_short(file: Path) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def test_truncated_drafter_weights_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dflash_core import __main__ as cli
+    from dflash_core.loading import SHIPPED_DRAFTER
+
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    for f in SHIPPED_DRAFTER.iterdir():
+        if f.is_file():
+            (folder / f.name).write_bytes(f.read_bytes())
+    _cut_short(folder / "model.safetensors")
+    err = raises(r"model\.safetensors cannot be read .*damaged or incomplete; download or copy it again",
+                 load_drafter, folder)
+    assert str(folder / "model.safetensors") in str(err)
+    rc = cli.main(["generate", "--prompt", "Hi", "--draft", str(folder), "--device", "cpu"])  # as a user would
+    out, stderr = capsys.readouterr()
+    assert rc == 2 and out == ""
+    lines = stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and "model.safetensors" in lines[-1] and "Traceback" not in stderr
+
+
+def test_truncated_target_weights_name_the_file(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, num_key_value_heads=1, vocab_size=128)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    embedded = load_target("embedded", device="cpu").tokenizer
+    embedded.save_pretrained(tmp_path)
+    assert load_target(str(tmp_path), device="cpu").vocab_size == 128  # intact, it loads
+    _cut_short(tmp_path / "model.safetensors")
+    err = raises(r"could not load target .*model\.safetensors is damaged or incomplete", load_target,
+                 str(tmp_path), device="cpu")
+    assert str(tmp_path / "model.safetensors") in str(err)
+
+
+def test_damaged_embedded_cache_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A cut-short cached copy of the embedded target is converted again from the GGUF, with a note."""
+    from dflash_core import targets
+
+    stale = tmp_path / targets.EMBEDDED_NAME
+    stale.mkdir()
+    (stale / "STAMP").write_text(str(targets.embedded_gguf_path().stat().st_size))  # looks complete
+    real = targets.embedded_model_dir()
+    for f in real.iterdir():
+        (stale / f.name).write_bytes(f.read_bytes())
+    _cut_short(stale / "model.safetensors")
+    monkeypatch.setenv("DFLASH_STUDIO_CACHE", str(tmp_path))
+    target = load_target("embedded", device="cpu", dtype="float32")
+    assert "cached embedded target is damaged" in capsys.readouterr().out
+    assert targets.damaged_weights(stale) is None  # rebuilt in place
+    assert target.vocab_size == load_target("embedded", device="cpu", dtype="float32").vocab_size
