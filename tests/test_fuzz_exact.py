@@ -1,5 +1,5 @@
 """A slice of scripts/fuzz_exact.py in CI: random prompts and settings, every reply equal to plain
-greedy (the full run's figures are in docs/robustness.md)."""
+greedy (the full runs' figures are in docs/robustness.md)."""
 
 from __future__ import annotations
 
