@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from dflash_core.events import BlockEvent
 
-from .session import RunStats
+from .session import BlockStat, RunStats, survival
 
 HEIGHT = 300
 COLORS = {"accepted": "#2e9d5b", "target": "#4c6ef5", "rejected": "#e03131", "plain": "#868e96", "tau": "#f08c00"}
@@ -124,6 +124,35 @@ def acceptance_figure(stats: RunStats) -> go.Figure:
     fig.update_xaxes(title_text="block")
     fig.update_yaxes(title_text="tokens", rangemode="tozero")
     return _layout(fig, f"Acceptance per block · τ = {stats.tau:.2f}", "acceptance")
+
+
+def position_figure(reply: Sequence[BlockStat], everything: Sequence[BlockStat]) -> go.Figure:
+    """Acceptance by draft position, the diagnostic serving engines log: the share of draft blocks
+    whose draft survived to position k, for this reply (bars) and every reply since Clear (line)."""
+    fig = go.Figure()
+    title = "Acceptance by position"
+    if not everything:
+        return _layout(_placeholder(fig, "no draft block yet"), title, "position")
+    positions = max(b.block_size for b in everything) - 1
+    xs = list(range(1, positions + 1))
+    for name, blocks, bar in (("this reply", reply, True), ("all replies", everything, False)):
+        if not blocks or (not bar and len(everything) == len(reply)):
+            continue  # one reply so far: the line would only repeat the bars
+        kept = survival(blocks, positions)
+        rates = [k / len(blocks) for k in kept]
+        hover = [f"{name}: {k} of {len(blocks)} blocks kept ≥ {x} drafts" for x, k in zip(xs, kept, strict=True)]
+        if bar:
+            fig.add_trace(go.Bar(x=xs, y=rates, name=f"{name} ({len(blocks)} blocks)", hovertext=hover,
+                                 hoverinfo="text+y", marker_color=COLORS["accepted"]))
+        else:
+            fig.add_trace(go.Scatter(x=xs, y=rates, mode="lines+markers", name=f"{name} ({len(blocks)} blocks)",
+                                     hovertext=hover, hoverinfo="text+y", line={"color": COLORS["tau"]}))
+    fig.update_xaxes(title_text="draft position k", dtick=1)
+    fig.update_yaxes(title_text="blocks that kept ≥ k drafts", tickformat=".0%", range=[0, 1.05])
+    if reply:
+        # The mean of "accepted ≥ k" summed over k is the mean accepted: τ − 1.
+        title += f" · 1 + sum of the bars = τ = {1 + sum(survival(reply, positions)) / len(reply):.2f}"
+    return _layout(fig, title, "position")
 
 
 def speed_title(dflash: RunStats, plain: RunStats | None) -> str:

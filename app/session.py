@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,13 @@ class RunStats:
         return d / (d + v) if d + v > 0 else 0.0
 
 
+def survival(blocks: Sequence[BlockStat], positions: int) -> list[int]:
+    """For k = 1..positions: how many of the draft `blocks` kept at least k drafts, i.e. whose
+    draft survived to position k. Divided by len(blocks) these are the per-position acceptance
+    rates serving engines log, and they sum to τ − 1 (the mean accepted drafts)."""
+    return [sum(b.accepted >= k for b in blocks) for k in range(1, positions + 1)]
+
+
 class Session:
     """One visitor's chat. Stored in a gr.State, so it must survive `deepcopy`.
 
@@ -106,11 +114,17 @@ class Session:
         self.history: list[Message] = []  # completed turns, plain text
         self.reply: str | None = None  # the assistant reply being streamed, if any
         self.events: list[BlockEvent] = []  # events of the latest reply
+        self.earlier: list[BlockStat] = []  # draft blocks of the replies before it, since Clear
         self.dflash = RunStats()
-        self.plain: RunStats | None = None  # the comparison run, when asked for
+        self.plain: RunStats | None = None  # the plain-decoding race, when asked for
+        self.plain_text = ""  # the racing plain reply so far
         self.notes: list[str] = []  # per-reply warnings (e.g. max_new_tokens lowered)
         self.greedy = True  # whether the latest reply decoded greedily (exact token match expected)
         self.cancel = threading.Event()
+        # When the visitor last pressed Stop, and when their last reply ended (monotonic seconds):
+        # a Stop newer than the last reply's end was meant for a reply still waiting in the queue.
+        self.stopped_at = 0.0
+        self.idle_since = 0.0
         self.stepper: Iterator[BlockEvent | Finished] | None = None  # step mode's suspended generation
 
     def __deepcopy__(self, memo: dict[int, object]) -> Session:
@@ -132,19 +146,49 @@ class Session:
     def begin(self, user_text: str) -> list[Message]:
         """Start a reply to `user_text`; returns the plain-text messages to send to the model."""
         self.close_step()  # a new prompt ends a stepped reply (kept as it stands, like Stop)
+        self.earlier.extend(self.dflash.draft_blocks)
         self.history.append({"role": "user", "content": user_text})
         self.reply = ""
         self.events = []
         self.dflash = RunStats()
         self.plain = None
+        self.plain_text = ""
         self.notes = []
-        self.cancel.clear()
+        if not self.stopped_while_queued:
+            self.cancel.clear()  # a Stop of an earlier reply; one pressed while this one waited stands
         return [dict(m) for m in self.history]
+
+    def request_stop(self, queued: bool = False) -> None:
+        """The Stop button: halts a running reply within a block; `queued` (a reply of this visitor
+        still waits its turn) makes that reply stop as soon as it starts."""
+        if queued:
+            self.stopped_at = time.monotonic()
+        self.cancel.set()
+
+    @property
+    def stopped_while_queued(self) -> bool:
+        return self.cancel.is_set() and self.stopped_at > self.idle_since
 
     def on_event(self, ev: BlockEvent) -> None:
         self.events.append(ev)
         self.dflash.add(ev)
         self.reply = ev.text
+
+    def on_plain(self, ev: BlockEvent | Finished) -> None:
+        """An event of the plain-decoding run racing the reply (ui.run_reply starts it)."""
+        if self.plain is None:
+            self.plain = RunStats()
+        if isinstance(ev, Finished):
+            self.plain.finished = ev
+        else:
+            self.plain.add(ev)
+        self.plain_text = ev.text
+
+    @property
+    def dflash_text(self) -> str:
+        """The DFlash reply as it stands: streaming, or finished."""
+        fin = self.dflash.finished
+        return fin.text if fin is not None else (self.reply or "")
 
     def finish(self, fin: Finished) -> None:
         """Commit the reply (even a cancelled, partial one: it is what the visitor saw)."""
@@ -154,7 +198,8 @@ class Session:
         self.history.append({"role": "assistant", "content": fin.text})
 
     def abort(self) -> None:
-        """The reply failed before finishing: keep what streamed so far as the answer."""
+        """The reply ended (or failed before finishing): keep what streamed so far as the answer."""
+        self.idle_since = time.monotonic()
         if self.reply is not None:
             self.history.append({"role": "assistant", "content": self.reply})
             self.reply = None
@@ -184,9 +229,9 @@ class Session:
     def reset(self) -> None:
         """Clear in place: a running generation's handler holds this same object."""
         self.close_step(keep=False)
-        cancel = self.cancel
+        cancel, stopped_at = self.cancel, self.stopped_at
         self.__init__()
-        self.cancel = cancel
+        self.cancel, self.stopped_at, self.idle_since = cancel, stopped_at, time.monotonic()
 
     def chat_messages(self) -> list[Message]:
         """What the gr.Chatbot shows: plain text, rendered as markdown by the chatbot."""
@@ -194,6 +239,15 @@ class Session:
         if self.reply is not None:
             msgs.append({"role": "assistant", "content": self.reply})
         return msgs
+
+    @property
+    def all_draft_blocks(self) -> list[BlockStat]:
+        """Every draft block since Clear: earlier replies' (a regenerated one's too), then this one's."""
+        return [*self.earlier, *self.dflash.draft_blocks]
+
+    def event(self, index: int) -> BlockEvent | None:
+        """The latest reply's event with block number `index` (0: the prefill token)."""
+        return next((ev for ev in self.events if ev.index == index), None)
 
     @property
     def current_block(self) -> BlockEvent | None:

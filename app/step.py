@@ -124,7 +124,8 @@ def step_html(result: StepResult | None, session: Session) -> str:
             from_lookup = (f"; {ev.lookup_accepted} of the accepted tokens came from those guesses"
                            if ev.lookup_accepted else "")
             checked = (f"checked a tree of {ev.tree_nodes} candidates (its likeliest alternatives at each position "
-                       f"too{guesses}) in one forward pass; shown is the branch the target walked{from_lookup}")
+                       f"too{guesses}) in one forward pass; shown is the branch the target walked{from_lookup} (the "
+                       "tree picture under the charts shows every candidate)")
         elif ev.checked == n:
             checked = "checked them all in one forward pass"
         else:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
-from dflash_core.events import BlockEvent
+from dflash_core.events import BlockEvent, CandidateTree, TreeNode
 
 from .render import ACCEPTED, REJECTED, TARGET, visible
 from .session import RunStats, Session
+from .tree_view import REJECTED as REJECTED_NODE
+from .tree_view import UNREACHED as UNREACHED_NODE
+from .tree_view import Picture, anchor_text, picture
 
 MAX_EXAMPLES = 3  # blocks quoted from the reply: enough to show the pattern, short enough to read
 # Markdown syntax characters as HTML entities: a token "**" must show as two stars, not start bold.
@@ -57,10 +60,16 @@ it has a second and third guess at each position too. A tree spends the verify p
 alternatives: each candidate sits at its own position and sees only its own ancestors, the target's choice at \
 every candidate says which branch to follow, and only the accepted branch is kept. More tokens per target \
 forward for the same pass size, and still lossless: every kept token is the target's own choice (or, when \
-sampling, its own draw). A tree block shows the branch the target walked. Trees also take *prompt-lookup* \
+sampling, its own draw). The Studio's tree picture shows every candidate of a block and the branch the target \
+walked. Trees also take *prompt-lookup* \
 guesses: after the last few committed tokens, whatever followed them the last time they occurred (code repeats \
 names, maths repeats numbers), and, when the drafter ships an n-gram table of the target's own replies, what \
 the target most often wrote after the same tokens. They cost no model, and the target checks them in the same pass.
+
+**Acceptance by position.** The share of blocks whose draft survived to position k: the diagnostic serving \
+engines log for speculative decoding. It can only fall with k, since a draft counts only when every draft before \
+it was accepted too, and 1 + the sum of the bars is τ. A drafter that is good at position 1 but falls off fast \
+gains little from long blocks.
 """
 
 BEFORE_REPLY = "\n*Ask something in the Studio tab: this page then walks through your own reply, block by block.*\n"
@@ -77,7 +86,7 @@ def chip(text: str, cls: str) -> str:
 
 
 def _plural(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
+    return f"{n} {word}{'' if n == 1 else 'es' if word.endswith('s') else 's'}"
 
 
 def _kind(ev: BlockEvent) -> str:
@@ -106,7 +115,9 @@ def describe_block(ev: BlockEvent, greedy: bool = True) -> str:
     target_tok = ev.committed_text[-1] if ev.committed_text else "?"
     drafted = " ".join(chip(t, ACCEPTED if i < acc else REJECTED) for i, t in enumerate(ev.draft_text[:n]))
     head = f"In **block {ev.index}** the drafter proposed {drafted}"
-    if ev.unverified:
+    if ev.tree_nodes is not None:  # `draft` is the walked branch of a tree; the rest is in the picture
+        head += f" along the branch the target walked through a tree of {_plural(ev.tree_nodes, 'candidate')}"
+    elif ev.unverified:
         head += (f" (and {_plural(len(ev.unverified), 'more draft')} it was unsure of: with the adaptive verify "
                  "length the target did not check those)")
     if acc == n:
@@ -159,7 +170,7 @@ def speed_paragraph(dflash: RunStats, plain: RunStats | None) -> str:
             text += f" (measured on the whole reply, prefill included: {dflash.tokens_per_s / plain.tokens_per_s:.2f}×)"
         text += "."
     else:
-        text += (" Tick *compare with plain decoding* to measure t(1 token) as well and see the estimated "
+        text += (" Tick *race plain decoding* to measure t(1 token) as well and see the estimated "
                  "speed-up τ × t(1 token) / (t(block) + t(draft)) for this reply.")
     return text
 
@@ -197,9 +208,112 @@ def reply_markdown(session: Session) -> str:
     return "\n".join(lines)
 
 
-def explain(session: Session | None) -> str:
-    """The whole tab: the visitor's own reply first (when there is one), then the general explanation."""
+def chain_kept(ev: BlockEvent) -> int:
+    """Of a greedy tree block's accepted tokens, how many a chain of the drafter's first choices
+    would have kept: the walk's leading nodes that were its first choice at their position."""
+    tree = ev.tree
+    if tree is None:
+        return ev.accepted
+    kept = 0
+    for i in tree.walked:
+        if tree.nodes[i].rank != 0:
+            break
+        kept += 1
+    return kept
+
+
+def pick_tree_block(events: Sequence[BlockEvent]) -> BlockEvent | None:
+    """The block the tree is told on: where the tree beat a chain most, then the most accepted,
+    then the most guesses and candidates (the earliest on ties); None without a tree block."""
+
+    def merit(ev: BlockEvent) -> tuple[int, ...]:
+        nodes = ev.tree.nodes if ev.tree is not None else []
+        guesses = sum(n.source != "drafter" for n in nodes)
+        return ev.accepted - chain_kept(ev), ev.accepted, guesses, len(nodes), -ev.index
+
+    trees = [ev for ev in events if ev.tree is not None and ev.tree.nodes]
+    return max(trees, key=merit) if trees else None
+
+
+def tree_example(events: Sequence[BlockEvent]) -> BlockEvent | None:
+    """The block the tab pictures: a tree block when the reply had one, else its best chain."""
+    examples = pick_examples(events)
+    return pick_tree_block(events) or (examples[0] if examples else None)
+
+
+def _origin(node: TreeNode) -> str:
+    if node.source == "lookup":
+        return "a prompt-lookup guess"
+    if node.source == "ngram":
+        return "a guess from the n-gram table"
+    return "the drafter's first choice" if node.rank == 0 else f"the drafter's {_ordinal((node.rank or 0) + 1)} choice"
+
+
+def _sources(pic: Picture) -> str:
+    parts = [f"the drafter's likeliest tokens at each position ({_plural(pic.guesses('drafter'), 'circle')})"]
+    if pic.guesses("lookup"):
+        parts.append(f"{_plural(pic.guesses('lookup'), 'prompt-lookup guess')} (squares: what followed the same "
+                     "tokens earlier in the text)")
+    if pic.guesses("ngram"):
+        parts.append(f"{_plural(pic.guesses('ngram'), 'guess')} from the drafter's n-gram table (triangles)")
+    return ", ".join(parts)
+
+
+def _walk(pic: Picture, tree: CandidateTree) -> str:
+    """The target's path through the tree, in words."""
+    own = chip(tree.target_text, TARGET)
+    last = tree.walked[-1] if tree.walked else -1
+    beside = sum(n.verdict == REJECTED_NODE and n.parent == last for n in pic.nodes)
+    if not tree.walked:
+        return f"The target agreed with no candidate at position 1 and wrote its own token {own} there"
+    path = " → ".join(f"{chip(tree.nodes[i].text, ACCEPTED)} ({_origin(tree.nodes[i])})" for i in tree.walked)
+    if beside:
+        others = ("the one candidate there did not match" if beside == 1
+                  else f"none of the {beside} candidates there matched")
+        return f"From the anchor it walked {path}, then wrote its own token {own}, a correction, where {others}"
+    return f"From the anchor it walked {path}, then added its own token {own}, a bonus, after the branch's last node"
+
+
+def tree_markdown(events: Sequence[BlockEvent], greedy: bool = True) -> str:
+    """The tree told on one of the reply's own tree blocks (`pick_tree_block`), for the picture below it."""
+    ev = pick_tree_block(events)
+    pic = picture(ev, anchor_text(events, ev)) if ev is not None else None
+    if ev is None or ev.tree is None or pic is None:
+        chain = tree_example(events)
+        if chain is None:
+            return ""
+        return (f"### The block as a picture\n\nThis reply verified **chains**, so block {chain.index} is drawn "
+                "below as a one-branch tree. With verify length *tree* (or *auto* when greedy on a CPU) the target "
+                "checks a whole tree of alternatives per block instead; hybrid targets verify chains only.")
+    text = (f"In block {ev.index} the target checked **{_plural(len(ev.tree.nodes), 'candidate')} in one forward "
+            f"pass** (pictured below): {_sources(pic)}. Each candidate sits at its own block position and sees only "
+            "the committed text and its own ancestors, so the one pass tells the target what it would write after "
+            f"every candidate at once. {_walk(pic, ev.tree)}: **{_plural(ev.accepted + 1, 'token')} for one target "
+            "forward**.")
+    kept = chain_kept(ev)
+    if greedy and ev.accepted > kept:
+        text += (f" A chain of the drafter's first choices would have kept only {kept} of the {ev.accepted} "
+                 "accepted here: the tree found the branch the target wanted.")
+    rejected, unreached = pic.count(REJECTED_NODE), pic.count(UNREACHED_NODE)
+    if rejected:
+        text += (f" The {_plural(rejected, 'red node')} {'was' if rejected == 1 else 'were'} rejected: the target "
+                 "chose another token after the parent.")
+    if unreached:
+        text += (f" The {_plural(unreached, 'grey node')} {'hangs' if unreached == 1 else 'hang'} below rejected "
+                 "ones: the target never got there, so the verdicts there never counted.")
+    return f"### A tree, on your block {ev.index}\n\n{text}"
+
+
+def reply_page(session: Session | None) -> str:
+    """The tab's first part: the visitor's own reply and its tree (the picture follows it), or a
+    note to ask something first. The general explanation, GENERIC, comes after the picture."""
     own = reply_markdown(session) if session is not None else ""
     if not own:
-        return "## How it works\n\n" + GENERIC + BEFORE_REPLY
-    return "## How it works\n\n" + own + "\n\n---\n\n" + GENERIC
+        return "## How it works\n\n" + BEFORE_REPLY
+    assert session is not None
+    return "## How it works\n\n" + own + "\n\n" + tree_markdown(session.events, session.greedy)
+
+
+def explain(session: Session | None) -> str:
+    """The whole tab as text: the visitor's own reply first (when there is one), then the general explanation."""
+    return reply_page(session) + "\n\n---\n\n" + GENERIC

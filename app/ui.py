@@ -1,4 +1,4 @@
-"""The Gradio app: layout and event wiring. Rendering lives in render.py and charts.py.
+"""The Gradio app: layout and event wiring. Rendering lives in render.py, charts.py and tree_view.py.
 
 One generation runs at a time (every engine-using event shares the "generate" concurrency
 group); Stop has its own group, so it is served while a generation holds the engine.
@@ -20,7 +20,7 @@ from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
 from dflash_core.events import Finished
 
-from . import charts, step, teach
+from . import charts, race, step, teach, tree_view
 from .history import begin_reply
 from .hosting import Decorator
 from .inputs import generation_config
@@ -35,6 +35,26 @@ GENERATE = "generate"  # the concurrency group of every event that runs the engi
 # would flood the browser. Updates are therefore spaced at least this far apart (the last
 # state is always sent). On CPU every block takes longer than this, so each one shows.
 MIN_UPDATE_S = 0.1
+# gr.Plot has no click event, so a click on a bar of "Acceptance per block" is caught in the browser
+# (plotly_click on the chart's plot div, which gradio keeps across updates) and typed into the tree's
+# block slider; its change event then draws that block's tree.
+PICK_BLOCK_JS = """() => {
+    const bind = () => {
+        const plot = document.querySelector('#acceptance .js-plotly-plot');
+        if (!plot || !plot.on || plot.dataset.pickBlock) return;
+        plot.dataset.pickBlock = '1';
+        plot.on('plotly_click', (ev) => {
+            const box = document.querySelector('#tree-block input[type=number]');
+            const x = ev && ev.points && ev.points.length ? ev.points[0].x : null;
+            if (!box || box.disabled || x === null) return;
+            box.value = String(x);
+            box.dispatchEvent(new Event('input', {bubbles: true}));
+            document.getElementById('tree-view')?.scrollIntoView({behavior: 'smooth', block: 'nearest'});
+        });
+    };
+    new MutationObserver(bind).observe(document.body, {childList: true, subtree: true});
+    bind();
+}"""
 
 Update = tuple[Any, ...]
 
@@ -76,6 +96,16 @@ def _notes(session: Session) -> str:
     return "  \n⚠️ " + "; ".join(session.notes) if session.notes else ""
 
 
+def waiting_in_queue(demo: gr.Blocks, request: gr.Request | None) -> bool:
+    """Whether this visitor has an event still waiting in Gradio's queue (not yet started). Gradio
+    keeps no public record of it; where its internals differ, a Stop reaches running replies only."""
+    try:
+        queues = demo._queue.event_queue_per_concurrency_id.values()
+        return request is not None and any(e.session_hash == request.session_hash for q in queues for e in q.queue)
+    except AttributeError:
+        return False
+
+
 def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
     """The whole app around one loaded engine. Call `.launch(**launch_kwargs())` to serve it.
 
@@ -91,8 +121,13 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
             return None
         return [engine.target.token_strings(st.tokens) for st in ev.steps]
 
+    def tree_of(session: Session, index: int | None = None) -> Any:
+        """The tree picture of block `index` of the latest reply (None: its latest draft block)."""
+        ev = session.current_block if index is None else session.event(index)
+        return tree_view.tree_figure(ev, "" if ev is None else tree_view.anchor_text(session.events, ev))
+
     def view(session: Session, status: str = "") -> Update:
-        """chatbot, speculation view, heatmap, acceptance, speed, stats."""
+        """chatbot, speculation view, heatmap, acceptance, by position, speed, tree, race, stats."""
         fin = session.dflash.finished
         keep = len(fin.token_ids) if fin is not None else None
         return (
@@ -100,7 +135,10 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
             render_view(session.events, keep, decode=engine.target.decode),
             charts.heatmap_figure(session.current_block, step_texts(session)),
             charts.acceptance_figure(session.dflash),
+            charts.position_figure(session.dflash.draft_blocks, session.all_draft_blocks),
             charts.speed_figure(session.dflash, session.plain),
+            tree_of(session),
+            race.race_html(session.dflash, session.plain, session.dflash_text, session.plain_text, session.greedy),
             stats_line(session, status),
         )
 
@@ -112,42 +150,45 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
         except DFlashError as e:
             raise gr.Error(str(e)) from None
 
-    def run_reply(session: Session, text: str, cfg: GenerationConfig, compare: bool) -> Iterator[Update]:
-        """Stream one reply block by block, then (optionally) the plain-decoding comparison."""
+    def run_reply(session: Session, text: str, cfg: GenerationConfig, racing: bool) -> Iterator[Update]:
+        """Stream one reply block by block; `racing`: with plain decoding streamed beside it (race.py)."""
         plain_only = drafter is None  # `--draft none`: the app still chats, without speculation
         try:
             # Only the turns that fit the context window go to the model (history.py).
             messages, events = begin_reply(session, engine, text, cfg, plain=plain_only)
         except DFlashError as e:
             raise gr.Error(str(e)) from None
+        if racing and not plain_only:
+            # Both runs share the Stop flag, so one press stops both within a block.
+            session.plain = RunStats()
+            stream = race.race(events, engine.generate(messages, cfg, plain=True, cancel=session.cancel))
+        else:
+            stream = (("dflash", ev) for ev in events)
         try:
             yield view(session, "prefill…")
             last = time.monotonic()
-            for ev in events:
-                if isinstance(ev, Finished):
+            for side, ev in stream:
+                if side == "plain":
+                    session.on_plain(ev)
+                elif isinstance(ev, Finished):
                     session.finish(ev)
-                    break
-                session.on_event(ev)
-                if time.monotonic() - last >= MIN_UPDATE_S:
-                    yield view(session, f"generating… block {ev.index}")
-                    last = time.monotonic()
-            fin = session.dflash.finished
-            if compare and not plain_only and fin is not None and fin.reason != "cancelled":
-                session.plain = RunStats()
-                yield view(session, "plain decoding of the same prompt, for comparison…")
+                else:
+                    session.on_event(ev)
+                if isinstance(ev, Finished) or time.monotonic() - last < MIN_UPDATE_S:
+                    continue
+                if session.plain is None:
+                    status = f"generating… block {ev.index}"
+                else:
+                    status = f"racing… DFlash {session.dflash.tokens} tokens · plain {session.plain.tokens} tokens"
+                yield view(session, status)
                 last = time.monotonic()
-                for ev in engine.generate(messages, cfg, plain=True, cancel=session.cancel):
-                    if isinstance(ev, Finished):
-                        session.plain.finished = ev
-                        break
-                    session.plain.add(ev)
-                    if time.monotonic() - last >= MIN_UPDATE_S:
-                        yield view(session, f"plain decoding for comparison… {ev.tokens_so_far} tokens")
-                        last = time.monotonic()
             yield view(session)
         finally:
             # A failure or a closed connection mid-reply: keep what streamed as the answer,
-            # so history stays a clean user/assistant alternation.
+            # so history stays a clean user/assistant alternation; a race's plain run is closed too.
+            close = getattr(stream, "close", None)
+            if close is not None:
+                close()
             session.abort()
 
     def chat(text: str, session: Session, block_size: float, steps: float, temperature: float, top_p: float,
@@ -171,8 +212,12 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
         cfg = make_config(block_size, steps, temperature, top_p, max_new, seed, verify)
         yield from run_reply(session, text, cfg, compare)
 
-    def stop(session: Session) -> None:
+    def stop(session: Session, request: gr.Request) -> None:
         # The engine checks this flag before each block, so it halts within one block.
+        session.request_stop(queued=waiting_in_queue(demo, request))
+
+    def halt(session: Session) -> None:
+        # Regenerate and Clear: stop a running reply (not the one they are about to start).
         session.cancel.set()
 
     def clear(session: Session) -> Update:
@@ -190,14 +235,28 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
                 raise gr.Error(str(e)) from None
         elif session.stepper is None:
             return (gr.skip(), *view(session, "Type a prompt, then press **Next block** to step through its reply."),
-                    step.step_html(None, session), teach.explain(session))
+                    step.step_html(None, session), teach.reply_page(session))
         result = step.advance(session)
         status = "step mode: finished" if result.finished else f"step mode: block {len(session.events) - 1} done"
-        return ("", *view(session, status), step.step_html(result, session), teach.explain(session))
+        return ("", *view(session, status), step.step_html(result, session), teach.reply_page(session))
 
     def side_panels(session: Session) -> tuple[str, str]:
         """The Step panel and the "How it works" text, refreshed after a streamed reply or Clear."""
-        return step.step_html(None, session), teach.explain(session)
+        return step.step_html(None, session), teach.reply_page(session)
+
+    def pictures(session: Session) -> tuple[Any, Any]:
+        """After each reply or step: the tree's block slider over the reply's blocks (on the block
+        the tree shows), and the "How it works" tab's tree picture."""
+        shown = session.current_block
+        last = session.events[-1].index if session.events else 0
+        slider = (gr.Slider(minimum=0, maximum=last, value=shown.index, interactive=True) if shown is not None
+                  else gr.Slider(minimum=0, maximum=1, value=0, interactive=False))
+        example = teach.tree_example(session.events)
+        anchor = "" if example is None else tree_view.anchor_text(session.events, example)
+        return slider, tree_view.tree_figure(example, anchor, title="Your block as a tree")
+
+    def pick_block(session: Session, index: float | None) -> Any:
+        return tree_of(session, None if index is None else int(index))
 
     if gpu is not None:
         # Only the handlers that run the engine hold a GPU (ZeroGPU attaches one per call).
@@ -227,8 +286,9 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
                     top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="top-p")
                     max_new = gr.Slider(1, 1024, value=128, step=1, label="max new tokens")
                     seed = gr.Number(0, precision=0, label="seed")
-                    compare = gr.Checkbox(False, label="compare with plain decoding",
-                                          info="decode the same prompt without the drafter afterwards")
+                    compare = gr.Checkbox(False, label="race plain decoding", elem_id="race-switch",
+                                          interactive=drafter is not None,
+                                          info="stream plain decoding beside DFlash, live, and compare speed and text")
                 with gr.Column(scale=4):
                     with gr.Row(equal_height=True):
                         chatbot = gr.Chatbot(label="Chat", height=460, scale=1, buttons=["copy"],
@@ -240,6 +300,8 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
                                            js_on_load=None, min_height=440, max_height=440, autoscroll=True)
                             show_rejected = gr.Checkbox(True, label="show rejected draft tokens",
                                                         elem_id="show-rejected")
+                    race_pane = gr.HTML(race.race_html(RunStats(), None, "", "", True), elem_id="race-view",
+                                        css_template=race.CSS, js_on_load=None, autoscroll=False)
                     with gr.Row():
                         msg = gr.Textbox(placeholder="Ask something…", show_label=False, scale=6, lines=1,
                                          max_lines=8, elem_id="prompt")
@@ -253,36 +315,53 @@ def build_app(engine: Engine, gpu: Decorator | None = None) -> gr.Blocks:
                     gr.Examples([[e["prompt"]] for e in examples], inputs=[msg],
                                 example_labels=[e["label"] for e in examples], label="Examples")
                     stats = gr.Markdown(stats_line(Session()), elem_id="stats-line")
-                    heat = gr.Plot(charts.heatmap_figure(None), label="Denoising heatmap", elem_id="heatmap")
+                    with gr.Row():
+                        heat = gr.Plot(charts.heatmap_figure(None), label="Denoising heatmap", elem_id="heatmap",
+                                       scale=2)
+                        speed = gr.Plot(charts.speed_figure(RunStats()), label="Speed", elem_id="speed", scale=1)
                     with gr.Row():
                         acc = gr.Plot(charts.acceptance_figure(RunStats()), label="Acceptance", elem_id="acceptance")
-                        speed = gr.Plot(charts.speed_figure(RunStats()), label="Speed", elem_id="speed")
-            with gr.Tab("How it works", id="how"):
-                teach_md = gr.Markdown(teach.explain(None), elem_id="teach")
+                        position = gr.Plot(charts.position_figure([], []), label="Acceptance by position",
+                                           elem_id="position-chart")
+                    tree_block = gr.Slider(0, 1, value=0, step=1, label="block shown in the tree", interactive=False,
+                                           elem_id="tree-block",
+                                           info="the latest block; drag, or click a bar of Acceptance per block")
+                    tree = gr.Plot(tree_view.tree_figure(None), label="The block's candidates", elem_id="tree-view")
+            with gr.Tab("How it works", id="how"), gr.Column(elem_id="teach"):
+                teach_md = gr.Markdown(teach.reply_page(None), elem_id="teach-reply")
+                teach_tree = gr.Plot(tree_view.tree_figure(None, title="Your block as a tree"), show_label=False,
+                                     elem_id="teach-tree")
+                gr.Markdown("---\n\n" + teach.GENERIC, elem_id="teach-generic")
 
         controls = [block_size, steps, temperature, top_p, max_new, seed, compare, verify]
-        outs = [chatbot, spec, heat, acc, speed, stats]
+        outs = [chatbot, spec, heat, acc, position, speed, tree, race_pane, stats]
         gen_kwargs: dict[str, Any] = {"concurrency_id": GENERATE, "concurrency_limit": 1,
                                       "show_progress": "minimal", "show_progress_on": [chatbot]}
-        # The side panels follow each reply in a second, engine-free event, so the API outputs of
-        # the generation endpoints stay as they were.
-        panels: dict[str, Any] = {"fn": side_panels, "inputs": [state], "outputs": [step_panel, teach_md],
-                                  "concurrency_limit": None, "show_progress": "hidden", "api_visibility": "private"}
-        send.click(chat, [msg, state, *controls], [msg, *outs], api_name="chat", **gen_kwargs).then(**panels)
+        # What changes once per reply (the side panels, the tree's block slider, the tab's tree) follows
+        # it in engine-free events, so the streamed updates carry only what changes with every block.
+        quiet: dict[str, Any] = {"concurrency_limit": None, "show_progress": "hidden", "api_visibility": "private"}
+        panels: dict[str, Any] = {"fn": side_panels, "inputs": [state], "outputs": [step_panel, teach_md], **quiet}
+        after: dict[str, Any] = {"fn": pictures, "inputs": [state], "outputs": [tree_block, teach_tree], **quiet}
+        send.click(chat, [msg, state, *controls], [msg, *outs], api_name="chat", **gen_kwargs).then(**panels).then(
+            **after)
         msg.submit(chat, [msg, state, *controls], [msg, *outs], api_name="chat_submit",
-                   api_visibility="undocumented", **gen_kwargs).then(**panels)
+                   api_visibility="undocumented", **gen_kwargs).then(**panels).then(**after)
         step_btn.click(next_block, [msg, state, *controls], [msg, *outs, step_panel, teach_md], api_name="next_block",
-                       **gen_kwargs)
+                       **gen_kwargs).then(**after)
+        # A picked block only redraws its tree: no engine, so it runs beside a generation.
+        tree_block.change(pick_block, [state, tree_block], [tree], trigger_mode="always_last", **quiet)
+        demo.load(None, None, None, js=PICK_BLOCK_JS)
         # Stop runs outside the generate group, otherwise it would wait for the very
         # generation it is meant to stop.
         stop_btn.click(stop, [state], None, api_name="stop", concurrency_limit=None, show_progress="hidden")
         # Regenerate and Clear first stop a running reply, then wait their turn in the group.
-        regen_btn.click(stop, [state], None, concurrency_limit=None, show_progress="hidden",
+        regen_btn.click(halt, [state], None, concurrency_limit=None, show_progress="hidden",
                         api_visibility="private").then(
-            regenerate, [state, *controls], outs, api_name="regenerate", **gen_kwargs).then(**panels)
-        clear_btn.click(stop, [state], None, concurrency_limit=None, show_progress="hidden",
+            regenerate, [state, *controls], outs, api_name="regenerate", **gen_kwargs).then(**panels).then(**after)
+        clear_btn.click(halt, [state], None, concurrency_limit=None, show_progress="hidden",
                         api_visibility="private").then(
-            clear, [state], outs, api_name="clear", concurrency_id=GENERATE, concurrency_limit=1).then(**panels)
+            clear, [state], outs, api_name="clear", concurrency_id=GENERATE, concurrency_limit=1).then(**panels).then(
+            **after)
         # A CSS class toggle in the browser: no round trip, and it survives re-renders because
         # the class sits on the component's wrapper, not on the streamed HTML.
         show_rejected.change(None, [show_rejected], None, js="""(show) => {

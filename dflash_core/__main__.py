@@ -17,6 +17,7 @@ from typing import TextIO
 import torch
 
 from .config import VERIFY_MODES, GenerationConfig
+from .drafter import check_draft_window
 from .engine import Engine
 from .errors import DFlashError
 from .events import BlockEvent, Finished
@@ -73,6 +74,9 @@ def decoding_options(max_new_tokens: int) -> argparse.ArgumentParser:
     g.add_argument("--no-lookup", dest="lookup", action="store_false",
                    help="trees: leave out lookup candidates (prompt lookup and the drafter's n-gram table), "
                         "drafter only")
+    g.add_argument("--draft-window", type=int, default=None, metavar="N",
+                   help="the drafter reads only the last N positions of the conversation (plus the block), "
+                        "which bounds its cost in long chats; the output is unchanged (default: all of them)")
     g.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature (0: greedy)")
     g.add_argument("--top-p", type=float, default=1.0, metavar="P",
                    help="nucleus sampling: draw from the likeliest tokens whose probabilities add up to P (1: off)")
@@ -109,8 +113,12 @@ def check_device(device: str | None) -> None:
 
 def load_engine(args: argparse.Namespace, draft: str | None = None) -> Engine:
     check_device(args.device)
+    window = getattr(args, "draft_window", None)
+    check_draft_window(window)
     engine = load(args.target, draft if draft is not None else args.draft, args.device, args.dtype,
                   graphs=args.cuda_graphs)
+    if engine.drafter is not None:
+        engine.drafter.draft_window = window
     for w in engine.warnings:
         print(f"warning: {w}", file=sys.stderr)
     return engine

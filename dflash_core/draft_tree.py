@@ -59,13 +59,16 @@ class DraftTree:
     scores: list[float]  # non-increasing: the estimate that the target walks through the node
     # Nodes only prompt lookup proposed (lookup.py), not the drafter; empty: none
     from_lookup: list[bool] = field(default_factory=list)
+    # Which guess proposed each lookup node ("lookup" or "ngram", see `source`); empty: all "lookup"
+    guessed_by: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def prefix(self, n: int) -> DraftTree:
         """The first n nodes: a tree too, since parents come first."""
-        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], self.from_lookup[:n])
+        return DraftTree(self.tokens[:n], self.parents[:n], self.depths[:n], self.scores[:n], self.from_lookup[:n],
+                         self.guessed_by[:n])
 
     @property
     def drafter_depth(self) -> int:
@@ -75,6 +78,13 @@ class DraftTree:
 
     def is_lookup(self, node: int) -> bool:
         return node < len(self.from_lookup) and self.from_lookup[node]
+
+    def source(self, node: int) -> str:
+        """Who proposed the node: "drafter", "lookup" (prompt lookup) or "ngram" (the drafter's
+        n-gram table). A guess that agreed with a drafter node stays the drafter's."""
+        if not self.is_lookup(node):
+            return "drafter"
+        return self.guessed_by[node] if node < len(self.guessed_by) and self.guessed_by[node] else "lookup"
 
     @property
     def depth(self) -> int:
@@ -131,13 +141,15 @@ def grow_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: int,
     return DraftTree(tokens, parents, depths, scores)
 
 
-def add_chain(tree: DraftTree, tokens: list[int], scores: list[float]) -> DraftTree:
-    """`tree` with a chain of guesses below the anchor merged in (prompt lookup's): a guess
-    equal to an existing node under the same parent raises that node's score to the guess's;
-    the others become new nodes. Scores are then capped by their parent's, and the nodes
-    re-sorted best first (ties: shallower first), so every prefix is still a tree."""
+def add_chain(tree: DraftTree, tokens: list[int], scores: list[float], source: str = "lookup") -> DraftTree:
+    """`tree` with a chain of guesses below the anchor merged in (prompt lookup's, or the n-gram
+    table's: `source`): a guess equal to an existing node under the same parent raises that
+    node's score to the guess's; the others become new nodes. Scores are then capped by their
+    parent's, and the nodes re-sorted best first (ties: shallower first), so every prefix is
+    still a tree."""
     toks, pars, deps = list(tree.tokens), list(tree.parents), list(tree.depths)
     scs, looked = list(tree.scores), [tree.is_lookup(i) for i in range(len(tree))]
+    by = [tree.source(i) if looked[i] else "" for i in range(len(tree))]
     children = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks, strict=True))}
     parent = -1
     for depth, (tok, score) in enumerate(zip(tokens, scores, strict=True), start=1):
@@ -149,6 +161,7 @@ def add_chain(tree: DraftTree, tokens: list[int], scores: list[float]) -> DraftT
             deps.append(depth)
             scs.append(score)
             looked.append(True)
+            by.append(source)
             children[(parent, tok)] = node
         else:
             scs[node] = max(scs[node], score)
@@ -159,7 +172,8 @@ def add_chain(tree: DraftTree, tokens: list[int], scores: list[float]) -> DraftT
     order = sorted(range(len(toks)), key=lambda i: (-scs[i], deps[i], i))
     rank = {old: new for new, old in enumerate(order)}
     return DraftTree([toks[i] for i in order], [rank[pars[i]] if pars[i] >= 0 else -1 for i in order],
-                     [deps[i] for i in order], [scs[i] for i in order], [looked[i] for i in order])
+                     [deps[i] for i in order], [scs[i] for i in order], [looked[i] for i in order],
+                     [by[i] for i in order])
 
 
 def visibility(tree: DraftTree, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -1,7 +1,9 @@
 """The DFlash drafter: a few Qwen3-style layers that denoise a whole block in one pass.
 
 Every layer's keys/values are [projected target context ; block tokens]; queries come from
-the block only, and attention inside the block is bidirectional. The target context is the
+the block only, and attention inside the block is bidirectional (in a full-attention layer;
+sliding-window layers see a window of positions and, by default, the block causally: see
+DFlashConfig.layer_types). The target context is the
 target's hidden states at `target_layer_ids`, concatenated, through `fc` and `hidden_norm`.
 The block is embedded with the target's frozen embedding and read out with its frozen LM
 head, so a checkpoint holds neither (drafter_io.py reads and writes checkpoints).
@@ -20,6 +22,7 @@ from .cache import DraftCache
 from .corpus import CorpusNgrams, load_corpus
 from .drafter_config import DFlashConfig
 from .drafter_io import DRAFT_VOCAB_NAME, load_draft_vocab, read_config, read_weights, resolve, write_checkpoint
+from .errors import DFlashError
 from .layers import RMSNorm, apply_rope, rope_cos_sin
 from .packing import Linear, PackingLinear, weight_key
 
@@ -101,6 +104,20 @@ class DFlashDrafter(nn.Module):
         # step, several times cheaper; verification keeps the output exact either way.
         self.draft_vocab: torch.Tensor | None = None
         self.corpus: CorpusNgrams | None = None  # the target's frequent continuations (corpus.py), if shipped
+        self.draft_window = None
+
+    @property
+    def draft_window(self) -> int | None:
+        """At inference, the drafter reads only the last N committed positions (and the block),
+        which bounds a draft pass's attention cost in long chats (SGLang's
+        --speculative-dflash-draft-window-size). A setting of this engine, not of the checkpoint:
+        drafts get worse, the output stays exact (the target verifies every token). None: all."""
+        return self._draft_window
+
+    @draft_window.setter
+    def draft_window(self, n: int | None) -> None:
+        check_draft_window(n)
+        self._draft_window = n
 
     @property
     def block_size(self) -> int:
@@ -116,7 +133,21 @@ class DFlashDrafter(nn.Module):
         return DraftCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, p.device, p.dtype)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+        c = self.config
+        return rope_cos_sin(positions, c.head_dim, c.rope_theta, dtype, c.rope_scaling, c.max_position_embeddings)
+
+    def _visible(self, layer: int, block_start: int, bsz: int, device: torch.device) -> tuple[int, torch.Tensor | None]:
+        """For a block at `block_start` in `step`: the first key position any of its queries sees in
+        this layer, and which keys from there each query sees (bool [bsz, keys]; None: all)."""
+        window, causal = self.config.layer_window(layer), self.config.layer_causal(layer)
+        lo = 0 if self.draft_window is None else max(0, block_start - self.draft_window)
+        if window is not None:
+            lo = max(lo, block_start - window + 1)  # the block's first query sees no further back
+        if window is None and not causal:
+            return lo, None
+        q = torch.arange(block_start, block_start + bsz, device=device)[:, None]
+        k = torch.arange(lo, block_start + bsz, device=device)[None, :]
+        return lo, attention_mask(q, k, window, causal)
 
     # Inference state, rebuilt on demand and never saved or copied (see __getstate__).
     _joined: tuple[tuple[Any, ...], dict[str, Linear]] | None = None
@@ -181,6 +212,10 @@ class DFlashDrafter(nn.Module):
         # and values from one GEMM per layer and land in the cache with one write: the
         # context's for good, the block's as scratch past it.
         cos, sin = self._rope_rows(ctx_start, block_start + bsz, block_embeds)
+        # Layers of one kind see the same keys; sliding layers and a draft window see fewer.
+        kinds = [(cfg.layer_window(i), cfg.layer_causal(i)) for i in range(cfg.num_hidden_layers)]
+        visible = {kind: self._visible(kinds.index(kind), block_start, bsz, block_embeds.device)
+                   for kind in dict.fromkeys(kinds)}
         ctx = None
         if new_context is not None and n_new:
             ctx = self.hidden_norm(fused["fc"](new_context[0].to(block_embeds.dtype)))
@@ -194,7 +229,9 @@ class DFlashDrafter(nn.Module):
             k = apply_rope(attn.k_norm(k.view(-1, nkv, hd)).transpose(0, 1), cos, sin)
             cache.write(i, ctx_start, k[None], v.view(-1, nkv, hd).transpose(0, 1)[None])
             keys, values = cache.view(i, block_start + bsz)
-            out = F.scaled_dot_product_attention(q[None], keys, values, enable_gqa=nkv != nh)[0]
+            lo, mask = visible[kinds[i]]
+            keys, values = keys[:, :, lo:], values[:, :, lo:]
+            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=nkv != nh)[0]
             h = h + attn.o_proj(out.transpose(0, 1).reshape(bsz, nh * hd))
             gate, up = fused[f"gate_up{i}"](layer.post_attention_layernorm(h)).chunk(2, -1)
             h = h + layer.mlp.down_proj(F.silu(gate) * up)
@@ -212,7 +249,8 @@ class DFlashDrafter(nn.Module):
 
         context: [b, T, len(layer_ids)*H] target features at positions 0..T-1;
         block_embeds: [b, N, H] all blocks laid end to end; block_positions: [N] or [b, N];
-        mask: bool [b or 1, 1, N, T + N], True where a block query may attend.
+        mask: bool [b or 1, 1, N, T + N], True where a block query may attend; sliding layers
+        (config.layer_types) narrow it further by position, as `step` does.
         """
         dtype = block_embeds.dtype
         T = context.shape[1]
@@ -223,19 +261,45 @@ class DFlashDrafter(nn.Module):
             b, n = block_positions.shape
             cos_b, sin_b = cos_b.view(b, 1, n, -1), sin_b.view(b, 1, n, -1)
         h = block_embeds
-        for layer in self.layers:
+        q_pos = block_positions if block_positions.dim() == 2 else block_positions[None]
+        k_pos = torch.cat([torch.arange(T, device=q_pos.device).expand(q_pos.shape[0], T), q_pos], 1)
+        layer_masks: dict[tuple[int | None, bool], torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            kind = (self.config.layer_window(i), self.config.layer_causal(i))
+            if kind not in layer_masks:
+                narrowed = attention_mask(q_pos[:, :, None], k_pos[:, None, :], *kind)
+                layer_masks[kind] = mask if narrowed is None else mask & narrowed[:, None]
             attn = layer.self_attn
             k_c, v_c = attn.project_kv(ctx, cos_c, sin_c)
             x = layer.input_layernorm(h)
             k_b, v_b = attn.project_kv(x, cos_b, sin_b)
             k, v = torch.cat([k_c, k_b], dim=2), torch.cat([v_c, v_b], dim=2)
-            h = h + attn.attend(attn.project_q(x, cos_b, sin_b), k, v, mask)
+            h = h + attn.attend(attn.project_q(x, cos_b, sin_b), k, v, layer_masks[kind])
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.norm(h)
 
     def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> None:
         """Write the checkpoint folder in the z-lab layout (weights in `dtype`, bf16 as published)."""
         write_checkpoint(folder, self.config, self.state_dict(), dtype, self.draft_vocab, self.corpus)
+
+
+def attention_mask(q: torch.Tensor, k: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
+    """Which keys at positions `k` queries at positions `q` see (broadcast), z-lab's rule for a
+    layer: causal ones only up to their own position; within a window only keys less than
+    `window` positions away (on either side when not causal). None: all of them."""
+    if window is None and not causal:
+        return None
+    seen = k <= q if causal else torch.ones_like(q - k, dtype=torch.bool)
+    if window is not None:
+        seen = seen & (q - k < window)
+        if not causal:
+            seen = seen & (k - q < window)
+    return seen
+
+
+def check_draft_window(n: object) -> None:
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise DFlashError(f"draft window must be a positive number of positions (or none), got {n!r}")
 
 
 def init_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> DFlashDrafter:

@@ -5,12 +5,18 @@ Checkpoints use the published z-lab layout, so vLLM and SGLang load ours and we 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import DFlashError
+from .layers import ROPE_TYPES
 
 _REQUIRED = object()  # `take`'s default: the field must be present
+FULL, SLIDING = "full_attention", "sliding_attention"
+# RoPE parameters a scaled type reads (transformers' names); rope_theta is kept apart.
+_ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+              "mscale", "mscale_all_dim", "truncate")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -42,7 +48,39 @@ class DFlashConfig:
     max_position_embeddings: int = 40960
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Per layer, "full_attention" or "sliding_attention" (None: all full). As in z-lab's reference
+    # (and vLLM's and SGLang's DFlash drafters), a sliding layer's query at position q sees only
+    # keys k with q - k < sliding_window, context and block alike, and is causal inside the block
+    # unless `is_causal` says otherwise; a full layer sees every key and the whole block.
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool | None = None  # the checkpoint's explicit causality, for every layer; None: as above
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "yarn", ...}; None: plain RoPE
     extra: dict[str, Any] = field(default_factory=dict)  # other fields, kept for round trips
+    dflash_extra: dict[str, Any] = field(default_factory=dict)  # other dflash_config fields, likewise
+
+    def __post_init__(self) -> None:
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise DFlashError(f"drafter config.json: layer_types has {len(self.layer_types)} entries for "
+                              f"{self.num_hidden_layers} layers")
+        unknown = sorted({t for t in self.layer_types if t not in (FULL, SLIDING)})
+        if unknown:
+            raise DFlashError(f"drafter config.json: layer type(s) {unknown} are not supported (only {FULL!r} "
+                              f"and {SLIDING!r})")
+        if SLIDING in self.layer_types and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
+            raise DFlashError(f"drafter config.json: sliding_attention layers need a positive integer "
+                              f"sliding_window, got {self.sliding_window!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """How far back a query of this layer sees (keys k with q - k < window); None: everything."""
+        return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+    def layer_causal(self, layer: int) -> bool:
+        """Whether the block's own positions see only earlier ones in this layer."""
+        return self.layer_types[layer] == SLIDING if self.is_causal is None else self.is_causal
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DFlashConfig:
@@ -69,6 +107,26 @@ class DFlashConfig:
         ids = dflash.get("target_layer_ids") or default_target_layer_ids(n_target, n_layers)
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise DFlashError(f"drafter config.json: target_layer_ids must be a list of integers, got {ids!r}")
+        # Newer z-lab configs (Qwen3.5 and later) put block_size in dflash_config; the reference
+        # reads it there first, then at the top level.
+        block = take("block_size", default=None, src=dflash)
+        block = take("block_size", default=16) if block is None else block
+        d.pop("block_size", None)
+        rope_theta, rope_scaling = _rope(d)
+        layer_types = d.pop("layer_types", None)
+        if layer_types is not None and (not isinstance(layer_types, list)
+                                        or not all(isinstance(t, str) for t in layer_types)):
+            raise DFlashError(f"drafter config.json: layer_types must be a list of strings, got {layer_types!r}")
+        window = d.pop("sliding_window", None)
+        if not d.pop("use_sliding_window", layer_types is not None):
+            window = None  # transformers' Qwen3Config, which the reference reads, drops it then too
+        if layer_types is None and window is not None:  # Qwen3Config's layer_types when none are given
+            first = take("max_window_layers", default=28)
+            layer_types = [SLIDING if i >= first else FULL for i in range(n_layers)]
+        causal = d.pop("is_causal", None)
+        causal = dflash.get("causal") if causal is None else causal  # vLLM's name for it
+        if causal is not None and not isinstance(causal, bool):
+            raise DFlashError(f"drafter config.json: is_causal must be true or false, got {causal!r}")
         cfg = cls(
             hidden_size=hidden,
             intermediate_size=take("intermediate_size"),
@@ -80,22 +138,31 @@ class DFlashConfig:
             num_target_layers=n_target,
             target_layer_ids=list(ids),
             mask_token_id=take("mask_token_id", src=dflash),
-            block_size=take("block_size", default=16),
+            block_size=block,
             rms_norm_eps=take("rms_norm_eps", float, default=1e-6),
-            rope_theta=float(_rope_theta(d)),
+            rope_theta=rope_theta,
             max_position_embeddings=take("max_position_embeddings", default=40960),
             bos_token_id=d.pop("bos_token_id", None),
             eos_token_id=d.pop("eos_token_id", None),
+            layer_types=layer_types,
+            sliding_window=window if layer_types is not None and SLIDING in layer_types else None,
+            is_causal=causal,
+            rope_scaling=rope_scaling,
+            extra=d,
+            # Kept by name so to_dict writes them back (with this config's values for the two we model).
+            dflash_extra={k: v for k, v in dflash.items() if k not in ("target_layer_ids", "mask_token_id")},
         )
-        d.pop("rope_theta", None)
-        d.pop("rope_parameters", None)
-        cfg.extra = d
+        if window is not None and cfg.sliding_window is None:
+            cfg.extra["sliding_window"] = window  # unused here (no sliding layer), kept for the round trip
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        extra = d.pop("extra")
+        extra, dflash = d.pop("extra"), d.pop("dflash_extra")
         ids, mask = d.pop("target_layer_ids"), d.pop("mask_token_id")
+        if d["is_causal"] is None:
+            d.pop("is_causal")
+        sliding = SLIDING in self.layer_types
         out: dict[str, Any] = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -104,27 +171,54 @@ class DFlashConfig:
             "hidden_act": "silu",
             "tie_word_embeddings": False,
             "use_cache": True,
-            "rope_scaling": None,
             "dtype": "bfloat16",
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
             "max_window_layers": self.num_hidden_layers,
-            "use_sliding_window": False,
-            "sliding_window": None,
         }
         out.update(extra)
         out.update(d)
-        out["dflash_config"] = {"target_layer_ids": ids, "mask_token_id": mask}
+        # transformers' Qwen3Config drops sliding_window unless use_sliding_window is set, and
+        # z-lab's reference reads the window from that config.
+        out["use_sliding_window"] = sliding
+        if not sliding:
+            out["sliding_window"] = extra.get("sliding_window")
+        if "block_size" in dflash:
+            dflash["block_size"] = self.block_size
+        dflash.pop("causal", None)
+        if self.is_causal is not None:
+            dflash["causal"] = self.is_causal  # vLLM releases that read only this name
+        out["dflash_config"] = {**dflash, "target_layer_ids": ids, "mask_token_id": mask}
         return out
 
 
-def _rope_theta(d: dict[str, Any]) -> float:
-    # Published z-lab configs carry a top-level rope_theta; transformers 5 writes rope_parameters.
-    params = d.get("rope_parameters") or {}
-    scaling = d.get("rope_scaling") or params
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise DFlashError(f"drafter uses RoPE scaling {kind!r}; only the default RoPE is supported")
-    return d.get("rope_theta") or params.get("rope_theta") or 1_000_000.0
+def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """rope_theta and the scaling parameters (None for plain RoPE), taken out of `d`. Published
+    z-lab configs carry a top-level rope_theta and rope_scaling; transformers 5 writes one
+    rope_parameters dict, which rope_scaling replaces when both are given (as transformers reads them)."""
+    params, scaling = d.pop("rope_parameters", None) or {}, d.pop("rope_scaling", None) or {}
+    theta = d.pop("rope_theta", None)
+    partial = d.pop("partial_rotary_factor", None)
+    if not isinstance(params, dict) or not isinstance(scaling, dict):
+        raise DFlashError("drafter config.json: rope_parameters and rope_scaling must be objects")
+    rope = scaling or params
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise DFlashError(f"drafter config.json: per-layer-type RoPE parameters ({sorted(rope)}) are not supported")
+    theta = theta or rope.get("rope_theta") or params.get("rope_theta") or 1_000_000.0
+    partial = rope.get("partial_rotary_factor", partial)
+    if partial not in (None, 1, 1.0):
+        raise DFlashError(f"drafter uses partial rotary embeddings (partial_rotary_factor {partial}); only "
+                          "full-width RoPE is supported")
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise DFlashError(f"drafter uses RoPE scaling {kind!r}; supported: {', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return float(theta), None
+    kept = {k: rope[k] for k in _ROPE_KEYS if rope.get(k) is not None}
+    numbers = [k for k in _ROPE_KEYS[:-1] if k in kept and (isinstance(kept[k], bool)
+                                                           or not isinstance(kept[k], (int, float)) or kept[k] <= 0)]
+    if numbers or "factor" not in kept:
+        raise DFlashError(f"drafter config.json: RoPE scaling {kind!r} needs a positive factor (and positive "
+                          f"numbers for its other parameters); got {rope}")
+    return float(theta), {"rope_type": kind, **kept}
 
 
 def check_fit(cfg: DFlashConfig, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
@@ -148,6 +242,10 @@ def check_fit(cfg: DFlashConfig, *, hidden_size: int, vocab_size: int, num_layer
 def config_for_target(target_config: Any, *, num_layers: int = 2, block_size: int = 16,
                       mask_token_id: int, intermediate_size: int | None = None) -> DFlashConfig:
     """A drafter shaped like the target's own layers (the usual choice), from its HF config."""
+    if hasattr(target_config, "get_text_config"):  # a vision-language checkpoint's text side (Qwen3.5)
+        target_config = copy.deepcopy(target_config.get_text_config())
+        # Gemma 4 sizes heads per layer and refuses a global read: any layer's values shape a drafter.
+        target_config.allow_global_per_layer_attribute_access = True
     heads = int(target_config.num_attention_heads)
     hidden = int(target_config.hidden_size)
     n_target = int(target_config.num_hidden_layers)

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import torch
 
+from . import threads
 from .config import TREE_MODES, GenerationConfig
 from .draft_tree import max_tree_nodes
 from .drafter import DFlashDrafter
@@ -44,6 +45,9 @@ class Engine:
 
     # Pass costs to size blocks with instead of this machine's measured ones (tests pin them).
     pinned_costs: ClassVar[PassCosts | None] = None
+    # On a CPU, fit torch's thread count to the cores other programs leave free before each reply
+    # (threads.py); tests turn it off, so that no verdict depends on what else the machine runs.
+    fit_threads: ClassVar[bool] = True
 
     def __init__(self, target: Target, drafter: DFlashDrafter | None = None) -> None:
         self.target = target
@@ -74,6 +78,21 @@ class Engine:
 
     def _run(self, ids: list[int], cfg: GenerationConfig, plain: bool, cancel: CancelFlag) -> Iterator[Event]:
         warnings: list[str] = []
+        governed = self.fit_threads and self.target.device.type == "cpu" and threads.governed()
+        if governed:
+            n, most = threads.fit_threads()
+            if n < most:
+                warnings.append(f"other programs are keeping {most - n} of this machine's {most} cores busy: "
+                                f"decoding on {n} thread{'s' if n > 1 else ''} (threads fighting for a core "
+                                "are several times slower)")
+        try:
+            yield from self._blocks(ids, cfg, plain, cancel, warnings)
+        finally:
+            if governed:
+                threads.rested()
+
+    def _blocks(self, ids: list[int], cfg: GenerationConfig, plain: bool, cancel: CancelFlag,
+                warnings: list[str]) -> Iterator[Event]:
         max_new = cfg.max_new_tokens
         room = self.target.max_context - len(ids)
         if max_new > room:
@@ -140,9 +159,11 @@ class Engine:
                             tree_ok=target.supports_tree and cfg.steps == 1)
         if mode in TREE_MODES and not target.supports_tree:
             fallback = "full" if mode == "tree-full" else "adaptive"
+            why = ("this hybrid target's recurrent (linear-attention) layers carry one state along a "
+                   "sequence, so a pass cannot show each tree row only its own ancestors"
+                   if target.hybrid else f"it needs the fast forward ({target.forward_note})")
             if warnings is not None:
-                warnings.append(f"verify={mode!r} needs the fast forward ({target.forward_note}); "
-                                f"verified as {fallback!r}")
+                warnings.append(f"verify={mode!r} checks a tree, but {why}; verified as {fallback!r} instead")
             mode = fallback
         return mode
 
@@ -213,6 +234,7 @@ class Engine:
             committed_text=target.token_strings(committed), draft_text=target.token_strings(draft),
             verified=result.verified, tree_nodes=result.tree_nodes,
             lookup_nodes=None if lookup is None else lookup[0], lookup_accepted=None if lookup is None else lookup[1],
+            tree=result.tree,
         )
 
 

@@ -25,6 +25,36 @@ class DraftStep:
     fixed: list[bool]  # positions whose token is final after this step
 
 
+SOURCES = ("drafter", "lookup", "ngram")  # who proposed a tree node (see TreeNode.source)
+
+
+@dataclass
+class TreeNode:
+    """One candidate of a tree block, as the target checked it."""
+
+    parent: int  # index of the parent node in CandidateTree.nodes; -1: the anchor
+    depth: int  # block position, 1..B-1
+    token: int
+    text: str
+    # "drafter": one of the drafter's top-k tokens at this position; "lookup": a prompt-lookup guess
+    # (what followed the same tokens earlier in the text); "ngram": the drafter's n-gram table's guess
+    source: str
+    score: float  # the tree's estimate that the target walks through this node: why it was checked
+    # The drafter's own probability of this token at this position and its rank there (0: its first
+    # choice); None for a guess outside the drafter's top-k
+    prob: float | None = None
+    rank: int | None = None
+
+
+@dataclass
+class CandidateTree:
+    """Every candidate a tree block's verify pass checked, and the target's walk through them."""
+
+    nodes: list[TreeNode]  # best first: a parent always comes before its children
+    walked: list[int]  # indices of the accepted nodes, from the anchor's child down
+    target_text: str  # the target's own token after them (BlockEvent.target_token), decoded
+
+
 @dataclass
 class BlockEvent:
     """One draft → verify → accept cycle (or one plain decoding step, with no draft)."""
@@ -54,6 +84,9 @@ class BlockEvent:
     # accepted drafts were such guesses. None: a chain.
     lookup_nodes: int | None = None
     lookup_accepted: int | None = None
+    # A tree block's candidates and the target's walk through them (what the app draws); None: a
+    # chain, drawn from `draft`, `accepted` and `verified`.
+    tree: CandidateTree | None = None
 
     @property
     def pass_tokens(self) -> int:

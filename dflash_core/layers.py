@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 
 
@@ -25,14 +28,66 @@ class RMSNorm(torch.nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def rope_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None = None, max_position_embeddings: int | None = None
+) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim/2] (fp32) and the factor cos/sin are multiplied by, for the
+    RoPE types in `ROPE_TYPES`, operation for operation as transformers' `ROPE_INIT_FUNCTIONS`
+    computes them (so a drafter trained with transformers' RoPE sees the same positions here)."""
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"RoPE type {kind!r} is not one of {', '.join(ROPE_TYPES)}")
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    if kind == "default":
+        return 1.0 / pos_freqs, 1.0
+    assert scaling is not None
+    factor = scaling.get("factor")
+    if kind == "linear":
+        return 1.0 / pos_freqs / factor, 1.0
+    original = scaling.get("original_max_position_embeddings") or max_position_embeddings
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    # High frequencies keep their trained values (extrapolation), low ones are stretched by
+    # `factor` (interpolation), with a linear blend between the two correction dimensions.
+    keep = 1 - ramp
+    inv_freq = 1.0 / (factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
 def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+    scaling: dict[str, Any] | None = None, max_position_embeddings: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default (unscaled) RoPE: cos/sin [len(positions), head_dim] for `apply_rope`."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """cos/sin [len(positions), head_dim] for `apply_rope` (`rope_frequencies` for the scaling)."""
+    inv_freq, attention_factor = rope_frequencies(head_dim, theta, scaling, max_position_embeddings)
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:  # in fp32 before the cast, as transformers scales them
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype), sin.to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

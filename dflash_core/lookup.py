@@ -153,5 +153,5 @@ def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_dept
         if corpus is not None:
             guess, below = corpus.chain([*index.ids[-ORDER:], *path], room, above, power=GUESS_CALIBRATION)
             if guess:
-                tree = add_chain(tree, path + guess, path_scores + below)
+                tree = add_chain(tree, path + guess, path_scores + below, source="ngram")
     return tree, anchor_guess

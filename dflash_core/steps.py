@@ -14,7 +14,7 @@ from . import kernels
 from .corpus import CorpusNgrams
 from .draft_tree import DRAFTER_CALIBRATION, DraftTree, grow_tree, visibility, walk
 from .drafting import Draft
-from .events import DraftStep
+from .events import CandidateTree, DraftStep, TreeNode
 from .lookup import LookupRates, NgramIndex, with_lookup
 from .targets import Target
 from .verify import Sampler, draw_uniforms
@@ -34,6 +34,7 @@ class BlockResult:
     verified: int | None = None  # candidates the target checked
     tree_nodes: int | None = None
     lookup: tuple[int, int] | None = None  # (lookup nodes in the tree, of them accepted)
+    tree: CandidateTree | None = None  # a tree block's candidates, as plain data
 
     @property
     def accepted(self) -> int:
@@ -45,9 +46,9 @@ class PlainStep:
 
     layer_ids: list[int] | None = None  # the target layers whose features the drafter reads
 
-    def __init__(self, target: Target, cache_len: int, sampler: Sampler) -> None:
+    def __init__(self, target: Target, cache_len: int, sampler: Sampler, rollback: int = 0) -> None:
         self.target, self.sampler = target, sampler
-        self.cache = target.new_cache(cache_len)
+        self.cache = target.new_cache(cache_len, rollback)  # passes of `rollback` tokens may be cut back
 
     def prefill(self, ids: list[int]) -> int:
         """Run the prompt through the target; its first token."""
@@ -72,7 +73,7 @@ class ChainStep(PlainStep):
 
     def __init__(self, target: Target, cache_len: int, sampler: Sampler, draft: DraftFn, draft_cache: object,
                  layer_ids: list[int], pace: Pace, max_new: int) -> None:
-        super().__init__(target, cache_len, sampler)
+        super().__init__(target, cache_len, sampler, rollback=pace.block)
         self.draft, self.draft_cache, self.layer_ids, self.pace = draft, draft_cache, layer_ids, pace
         # On CUDA the accept step runs as Triton kernels that also write the committed tokens into
         # a device-side buffer at a device-side length: the block's one sync then reads them too.
@@ -131,6 +132,7 @@ class TreeStep(PlainStep):
         self.max_nodes, self.lookup, self.corpus = max_nodes, lookup, corpus
         self.rates = LookupRates()
         self.guess: tuple[int, list[int]] = (0, [])
+        self.texts: dict[int, str] = {}  # token id -> its text, decoded once per reply for the tree's picture
 
     def block(self, anchor: int, start: int) -> BlockResult:
         t1 = time.perf_counter()
@@ -151,7 +153,21 @@ class TreeStep(PlainStep):
         acc = len(rows) - 1
         looked = (sum(tree.from_lookup), sum(tree.is_lookup(i) for i in line[:acc]))
         return BlockResult([*shown.tokens[:acc], tok], [shown], (t2 - t1) * 1e3, (t3 - t2) * 1e3,
-                           verified=len(line), tree_nodes=len(tree), lookup=looked)
+                           verified=len(line), tree_nodes=len(tree), lookup=looked,
+                           tree=self.picture(tree, line[:acc], tok, draft))
+
+    def picture(self, tree: DraftTree, walked: list[int], tok: int, draft: Draft) -> CandidateTree:
+        """The checked tree as plain data for the block's event: what the app draws."""
+        new = list(dict.fromkeys(t for t in (*tree.tokens, tok) if t not in self.texts))
+        if new:
+            self.texts.update(zip(new, self.target.token_strings(new), strict=True))
+        ranked = drafter_ranks(draft)
+        nodes = []
+        for i, (t, parent, depth, score) in enumerate(zip(tree.tokens, tree.parents, tree.depths, tree.scores,
+                                                          strict=True)):
+            prob, rank = ranked.get((depth, t), (None, None))
+            nodes.append(TreeNode(parent, depth, t, self.texts[t], tree.source(i), score, prob, rank))
+        return CandidateTree(nodes, list(walked), self.texts[tok])
 
     def verify(self, anchor: int, tree: DraftTree) -> tuple[list[int], list[int], int]:
         """One target pass over [anchor, tree]; the target's own choice at every node (argmax, or
@@ -185,6 +201,20 @@ def candidate_tree(draft: Draft, max_nodes: int) -> DraftTree:
         return grow_tree([[p**DRAFTER_CALIBRATION] for p in probs], [[t] for t in toks], max_nodes)
     top_p, top_i = draft.top
     return grow_tree(top_p.pow(DRAFTER_CALIBRATION).tolist(), top_i.tolist(), max_nodes)
+
+
+def drafter_ranks(draft: Draft) -> dict[tuple[int, int], tuple[float, int]]:
+    """(block position, token) -> the drafter's probability of it there and its rank (0: first
+    choice), over the drafter's top-k candidates (its one choice per position without them)."""
+    if draft.top is None:
+        pairs = zip(draft.tokens.tolist(), draft.probs.tolist(), strict=True)
+        return {(d, t): (p, 0) for d, (t, p) in enumerate(pairs, start=1)}
+    top_p, top_i = draft.top
+    out: dict[tuple[int, int], tuple[float, int]] = {}
+    for d, (ps, ids) in enumerate(zip(top_p.tolist(), top_i.tolist(), strict=True), start=1):
+        for r, (p, t) in enumerate(zip(ps, ids, strict=True)):
+            out.setdefault((d, t), (p, r))
+    return out
 
 
 def walked_step(tree: DraftTree, line: list[int], draft: Draft) -> DraftStep:

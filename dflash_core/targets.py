@@ -23,6 +23,8 @@ from .cache import TargetCache
 from .errors import DFlashError
 from .fast_forward import FastForward
 from .fast_forward_support import config_unsupported_reason, unsupported_reason
+from .hybrid_cache import SUPPORTED_TARGETS, HybridTargetCache, is_hybrid
+from .hybrid_cache import unsupported_reason as cache_unsupported_reason
 from .step_graphs import MAX_TOKENS as GRAPH_MAX_TOKENS
 from .step_graphs import StepGraphs
 
@@ -264,7 +266,19 @@ class Target:
         return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
     # --- maths ---
-    def new_cache(self, max_len: int) -> TargetCache:
+    @property
+    def hybrid(self) -> bool:
+        """Linear-attention layers with recurrent states (Qwen3.5, Qwen3-Next): chains only."""
+        if not hasattr(self, "_hybrid"):
+            self._hybrid = is_hybrid(self.config)
+        return self._hybrid
+
+    def new_cache(self, max_len: int, rollback: int = 0) -> TargetCache | HybridTargetCache:
+        """A cache for `max_len` positions whose passes of up to `rollback` tokens can be rolled
+        back to any length (attention layers always can; a hybrid's recurrent layers record their
+        states for it)."""
+        if self.hybrid:
+            return HybridTargetCache.for_config(self.config, max_len, rollback)
         if self.invariant:
             # Whole attention chunks: the batch-invariant attention reads keys by the chunk, and
             # a buffer that ends inside one is padded (copied) on every pass that reaches it.
@@ -299,6 +313,8 @@ class Target:
         if self.fast_forward is not None:
             return self.fast_forward.forward(ids, cache, layer_ids, last_only)
         start = cache.length
+        if isinstance(cache, HybridTargetCache):
+            cache.begin_pass(ids.shape[1])
         pos = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
         out = self.model(
             input_ids=ids, position_ids=pos, use_cache=True, output_hidden_states=layer_ids is not None,
@@ -312,8 +328,9 @@ class Target:
 
     @property
     def supports_tree(self) -> bool:
-        """Tree verification needs the fast forward (its own attention mask and positions)."""
-        return self.fast_forward is not None
+        """Tree verification needs the fast forward (its own attention mask and positions), and
+        no recurrent layers (a row's state would have to skip its siblings)."""
+        return self.fast_forward is not None and not self.hybrid
 
     def tree_forward(
         self, ids: torch.Tensor, depths: torch.Tensor, visible: torch.Tensor, cache: TargetCache,
@@ -360,6 +377,7 @@ def load_target(spec: str | None = None, device: str | None = None,
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
+    refuse_unsupported(path, spec)
     auto = dtype is None or dtype == "auto"
     cpu = torch.device(device).type == "cpu"
     if auto and cpu and torch_dtype == torch.bfloat16 and not batch_invariant_possible(path, fast):
@@ -392,7 +410,51 @@ def load_target(spec: str | None = None, device: str | None = None,
         # load-time check failed) a verify pass could round a near-tie differently from plain
         # decoding, so a CPU takes float32 instead.
         target = build(torch.float32)
+    probe_decoding(target, spec)
     return target
+
+
+# The probe's prompt length, and the relative logit gap it allows between a continued and a whole
+# pass: rounding in bf16 stays well under it, a forgotten context is far over it.
+PROBE_TOKENS = 8
+PROBE_TOLERANCE = 0.05
+
+
+def refuse_unsupported(path: str, spec: str) -> None:
+    """Refuse, from its config alone (before any weights load), a target whose cache cannot be
+    rolled back here."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return  # the model load says what is wrong
+    if (reason := cache_unsupported_reason(cfg)) is not None:
+        raise DFlashError(f"target {spec!r}: {reason}")
+
+
+def probe_decoding(target: Target, spec: str) -> None:
+    """A short pass continued through the engine's own cache, and rolled back, must give the
+    logits of one pass over the same tokens: a model that keeps a state its config does not
+    declare (so this cache does not hold it) is refused here, once, instead of failing or
+    decoding wrongly in the middle of a reply."""
+    ids = (torch.arange(PROBE_TOKENS, device=target.device)[None] * 7919 + 11) % target.vocab_size
+    kind = getattr(target.config, "model_type", "?")
+    try:
+        whole, _ = target.forward(ids, target.new_cache(2 * PROBE_TOKENS))
+        cache = target.new_cache(2 * PROBE_TOKENS, rollback=2)
+        target.forward(ids[:, :-2], cache)
+        target.forward(ids[:, -2:].flip(1), cache)  # two tokens, then rolled back
+        cache.truncate(PROBE_TOKENS - 2)
+        steps, _ = target.forward(ids[:, -2:], cache)
+    except (ValueError, TypeError, AttributeError, RuntimeError, NotImplementedError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DFlashError(f"target {spec!r} (model type {kind!r}) cannot be decoded with this engine's cache "
+                          f"({first}); {SUPPORTED_TARGETS}") from None
+    gap = float((steps - whole[-2:]).abs().max() / whole[-2:].abs().max().clamp_min(1e-6))
+    if gap > PROBE_TOLERANCE:
+        raise DFlashError(f"target {spec!r} (model type {kind!r}) keeps a state this engine's cache does not "
+                          f"hold: continuing from the cache changes its logits by {gap:.0%}; {SUPPORTED_TARGETS}")
 
 
 def batch_invariant_possible(path: str, fast: bool | None) -> bool:

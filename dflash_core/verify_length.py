@@ -140,7 +140,7 @@ def measure_verify_cost(target: Target, layer_ids: list[int] | None, max_tokens:
     dev = target.device
     vocab = target.vocab_size
     context = torch.arange(TIMING_CONTEXT, device=dev)[None] * 7919 % vocab
-    cache = target.new_cache(TIMING_CONTEXT + max(sizes))
+    cache = target.new_cache(TIMING_CONTEXT + max(sizes), rollback=max(sizes))
     target.forward(context, cache, layer_ids)
     shapes = {n: timing_tree(n, dev) for n in sizes} if tree else {}
     times: dict[int, list[float]] = {n: [] for n in sizes}

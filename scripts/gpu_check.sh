@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The prepared GPU check: the correctness tests, then `bench --methods all` on the embedded target
 # on the GPU, printed as one table, then plain and DFlash again with the target's short passes
-# replayed as CUDA graphs (`--cuda-graphs`, not yet measured anywhere), as a second table. Under
-# 8 minutes in all (the last call budgets ~7.7 min, see below).
+# replayed as CUDA graphs (`--cuda-graphs`, not yet measured anywhere), as a second table, then a
+# hybrid target at Qwen3.5-4B's shape (random weights, bf16) with a forced acceptance per block:
+# its rollback's cost per block against a plain step (scripts/hybrid_rollback.py), a third table.
+# Under 9.5 minutes in all (the last call budgets ~9.5 min, see below).
 #
 # Where it runs: the offline device machine (python3 3.12 with torch+CUDA, transformers, pytest
 # and scipy preinstalled; no internet; /work/.library/device/KINDS.md). As in scripts/gpu_train.sh,
@@ -16,7 +18,7 @@
 #   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/a"], timeout_s=90)
 #   run(command="bash scripts/gpu_check.sh --stage", carry=[".gpu/b"], timeout_s=90)
 #   bash scripts/gpu_bundle.sh --full                # here: restored from git
-#   run(command="bash scripts/gpu_check.sh", carry=[".gpu/c"], timeout_s=480)    # back to back
+#   run(command="bash scripts/gpu_check.sh", carry=[".gpu/c"], timeout_s=570)    # back to back
 # A fresh machine in the last call (the staged parts gone) stops within seconds with exit code 3.
 # Then, here, from the files that come back (bench.json, gpu_check.log):
 #   .venv/bin/python -m app.bench_report FILES_AT/bench.json --html runs/gpu-check.html
@@ -38,7 +40,7 @@
 #     near-tie may resolve differently and show as a mismatch without a bug behind it.
 # Knobs: DFLASH_CHECK_LIMIT (HumanEval prompts, default 6), DFLASH_CHECK_TOKENS (default 128),
 # DFLASH_CHECK_TEST_S (default 120), DFLASH_CHECK_BENCH_S (default 210), DFLASH_CHECK_GRAPHS_S
-# (default 90): ~40 s of setup + 120 + 210 + 90 < 8 min.
+# (default 90), DFLASH_CHECK_HYBRID_S (default 90): ~40 s of setup + 120 + 210 + 90 + 90 < 9.5 min.
 #
 #   bash scripts/gpu_check.sh --cpu-smoke            # here, no GPU: the same steps, tiny, on the CPU
 set -uo pipefail
@@ -78,6 +80,8 @@ if [ "$MODE" = gpu ]; then
   TEST_S=${DFLASH_CHECK_TEST_S:-120}
   BENCH_S=${DFLASH_CHECK_BENCH_S:-210}
   GRAPHS_S=${DFLASH_CHECK_GRAPHS_S:-90}
+  HYBRID=(--shape qwen3.5-4b --device cuda --dtype bfloat16 --accepted 0 3 7 15)
+  HYBRID_S=${DFLASH_CHECK_HYBRID_S:-90}
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader || true
 else  # cpu-smoke: this machine's venv, a test file that loads no model, 2 prompts x 16 tokens
   PY=${PYTHON:-.venv/bin/python}
@@ -89,6 +93,8 @@ else  # cpu-smoke: this machine's venv, a test file that loads no model, 2 promp
   TEST_S=120
   BENCH_S=300
   GRAPHS_S=300
+  HYBRID=(--shape small --device cpu --repeats 1 --accepted 0 15 --context 32)
+  HYBRID_S=300
 fi
 echo "[check] $(date -u +%FT%TZ) mode $MODE: $($PY -c 'import sys, torch, transformers; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available(), "transformers", transformers.__version__)')"
 
@@ -126,6 +132,13 @@ print(f"plain tokens equal on {same}/{len(pairs)} prompts")
 PY
 )
 
+# A hybrid target's rollback (Qwen3.5 / Qwen3-Next layers): recorded states against replaying.
+t=$(date +%s)
+timeout "$HYBRID_S" $PY scripts/hybrid_rollback.py "${HYBRID[@]}" --json "$OUT/hybrid.json" \
+  > "$OUT/hybrid_table.txt" 2> "$OUT/hybrid.log"
+hybrid_rc=$?
+hybrid_s=$(( $(date +%s) - t ))
+
 {
   [ "$test_rc" = 0 ] || tail -n 30 "$OUT/tests.log"
   [ "$bench_rc" = 0 ] || tail -n 20 "$OUT/bench.log"
@@ -135,6 +148,9 @@ PY
   cat "$OUT/bench_table.txt"
   echo "[check] with --cuda-graphs: bench exit $graphs_rc · ${graphs_s} s · against ordinary passes: $same_line"
   cat "$OUT/bench_graphs_table.txt"
+  [ "$hybrid_rc" = 0 ] || tail -n 20 "$OUT/hybrid.log"
+  echo "[check] hybrid rollback exit $hybrid_rc · ${hybrid_s} s"
+  cat "$OUT/hybrid_table.txt"
   echo "[check] done in $(( $(date +%s) - T0 )) s; JSON: $OUT/bench.json"
 } | tee "$OUT/gpu_check.log"
-[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$graphs_rc" = 0 ]
+[ "$test_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$graphs_rc" = 0 ] && [ "$hybrid_rc" = 0 ]

@@ -32,6 +32,7 @@ PINNED_COSTS = PassCosts(chain=CPU_LIKE, tree=CPU_LIKE, draft_ms=8.0)
 @pytest.fixture(autouse=True)
 def pinned_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Engine, "pinned_costs", PINNED_COSTS)
+    monkeypatch.setattr(Engine, "fit_threads", False)  # the thread count must not follow the machine's load
 
 
 @pytest.fixture(scope="session")

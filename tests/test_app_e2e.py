@@ -6,6 +6,7 @@ serve every test here; replies stay short so the file runs in a few minutes on t
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -50,9 +51,9 @@ def client(url: str) -> Any:
     return gradio_client.Client(url, verbose=False, analytics_enabled=False, download_files=False)
 
 
-def chat_args(prompt: str, max_new: int = MAX_NEW, compare: bool = False) -> tuple[Any, ...]:
-    # textbox, block size, steps, temperature, top-p, max new tokens, seed, compare, verify length
-    return (prompt, BLOCK, 1, 0.0, 1.0, max_new, 0, compare, "auto")
+def chat_args(prompt: str, max_new: int = MAX_NEW, compare: bool = False, temperature: float = 0.0) -> tuple[Any, ...]:
+    # textbox, block size, steps, temperature, top-p, max new tokens, seed, race plain decoding, verify length
+    return (prompt, BLOCK, 1, temperature, 1.0, max_new, 0, compare, "auto")
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -72,6 +73,14 @@ def figure(payload: Any) -> dict[str, Any]:
     return fig
 
 
+RACE_PANE = re.compile(r'data-side="(\w+)"><div class="race-head">(.*?)</div><div class="race-text">(.*?)</div>', re.S)
+
+
+def race_panes(race: str) -> dict[str, tuple[str, str]]:
+    """The race view's panes: side → (heading, text as shown)."""
+    return {side: (html.unescape(head), html.unescape(text)) for side, head, text in RACE_PANE.findall(race)}
+
+
 def plain_greedy(engine: Engine, prompt: str, max_new: int) -> Finished:
     cfg = dflash_core.GenerationConfig(max_new_tokens=max_new, block_size=BLOCK)
     *_, fin = engine.generate(prompt, cfg, plain=True)
@@ -83,9 +92,9 @@ def test_streamed_reply_equals_plain_greedy_decoding(client: Any, engine: Engine
     job = client.submit(*chat_args(PROMPT, compare=True), api_name="/chat")
     final = job.result(timeout=600)
     updates = job.outputs()
-    # The prefill update, one per block, the comparison: far more than one streamed update.
+    # The prefill update, one per block of either racing run: far more than one streamed update.
     assert len(updates) > 2
-    _, chat, spec, heat, acc, speed, stats = final
+    _, chat, spec, heat, acc, position, speed, tree, race, stats = final
     # The first update empties the textbox; later ones leave it alone (the visitor may be typing).
     assert updates[0][0] == ""
     assert all(u[0] != "" for u in updates[1:])
@@ -111,6 +120,24 @@ def test_streamed_reply_equals_plain_greedy_decoding(client: Any, engine: Engine
     assert speed_fig["data"][0]["y"][-1] >= MAX_NEW  # every committed token is on the curve
     assert "speed-up" in speed_fig["layout"]["title"]["text"]
     assert "plain output identical ✓" in stats and "finished: length" in stats
+    # The race: both panes hold the whole reply, the same text at T=0, and the finish line says so.
+    panes = race_panes(race)
+    assert panes["dflash"][1] == panes["plain"][1] == expected.text
+    assert "finished" in panes["dflash"][0] and "finished" in panes["plain"][0]
+    assert "texts identical ✓" in race and "the speed of plain decoding" in race and "own engine clock" in race
+    # Live: the plain pane and the speed chart's plain line grew while the reply streamed, not after it.
+    partial = [u for u in updates[:-1] if 0 < len(race_panes(u[8]).get("plain", ("", ""))[1]) < len(expected.text)]
+    assert partial, "the plain pane never showed a partial reply"
+    assert any([t["name"] for t in figure(u[6])["data"]] == ["DFlash", "plain"] for u in partial)
+    # Acceptance by position: one bar per draft position; 1 + their sum is the reply's τ (the stats line's).
+    bars = figure(position)["data"][0]
+    assert bars["type"] == "bar" and bars["x"][0] == 1 and len(bars["x"]) == BLOCK - 1
+    tau = float(re.search(r"τ (\d+\.\d+)", stats).group(1))
+    assert 1 + sum(bars["y"]) == pytest.approx(tau, abs=0.006)
+    # The tree picture shows the latest draft block, its committed path ending in the target's own token.
+    tree_fig = figure(tree)
+    assert tree_fig["layout"]["title"]["text"].startswith("Block ")
+    assert any(t.get("name") == "the target's own token" and t.get("x") for t in tree_fig["data"])
 
 
 def test_stop_halts_a_reply_and_the_next_one_completes(client: Any, engine: Engine) -> None:
@@ -155,6 +182,32 @@ def test_stop_halts_a_reply_and_the_next_one_completes(client: Any, engine: Engi
     assert final[0] == [] and "spec-tokens" not in final[1]
 
 
+def test_a_stopped_race_keeps_one_clean_turn_and_sampling_explains_a_difference(client: Any) -> None:
+    job = client.submit(*chat_args("Tell me a long story about a dragon.", max_new=200, compare=True),
+                        api_name="/chat")
+    deadline = time.monotonic() + 300
+    while not any(race_panes(u[8]).get("plain", ("", ""))[1] for u in job.outputs()) and not job.done():
+        assert time.monotonic() < deadline, "the plain pane never started"
+        time.sleep(0.2)
+    assert not job.done(), "the race finished before it could be stopped"
+    client.predict(api_name="/stop")
+    final = job.result(timeout=300)
+    chat, race, stats = final[1], final[8], final[-1]
+    assert "finished: cancelled" in stats and "Race stopped" in race  # one Stop stopped both runs
+    panes = race_panes(race)
+    assert "stopped" in panes["dflash"][0] and "stopped" in panes["plain"][0]
+    assert [m["role"] for m in chat] == ["user", "assistant"]  # one turn, the DFlash reply kept
+    assert message_text(chat[-1]) == panes["dflash"][1]
+
+    # Sampling: both runs draw from the same distribution, not the same sample; the finish line says why.
+    final = client.predict(*chat_args(PROMPT, max_new=6, compare=True, temperature=0.9), api_name="/chat")
+    chat, race = final[1], final[8]
+    assert [m["role"] for m in chat] == ["user", "assistant", "user", "assistant"]
+    panes = race_panes(race)
+    assert panes["dflash"][1] == message_text(chat[-1]) and panes["plain"][1].strip()
+    assert ("as sampling allows" in race) != (panes["dflash"][1] == panes["plain"][1])
+
+
 def test_two_visitors_are_served_one_at_a_time_without_mixing(url: str, engine: Engine) -> None:
     prompts = ["What is 2 + 2?", "Name a colour."]
     clients = [gradio_client.Client(url, verbose=False, analytics_enabled=False, download_files=False)
@@ -167,13 +220,46 @@ def test_two_visitors_are_served_one_at_a_time_without_mixing(url: str, engine: 
         assert message_text(chat[-1]) == plain_greedy(engine, prompt, 6).text
 
 
+def test_stop_pressed_while_waiting_in_the_queue_stops_that_reply(url: str, engine: Engine) -> None:
+    first, second = (gradio_client.Client(url, verbose=False, analytics_enabled=False, download_files=False)
+                     for _ in range(2))
+    busy = first.submit(*chat_args("Tell me a long story about a dragon.", max_new=120), api_name="/chat")
+    deadline = time.monotonic() + 300
+    while len(busy.outputs()) < 2 and not busy.done():  # the engine is busy with the first visitor
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    waiting = second.submit(*chat_args(PROMPT, max_new=40), api_name="/chat")
+    while waiting.status().code.name not in ("IN_QUEUE", "PROCESSING", "ITERATING", "FINISHED"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not busy.done(), "the first reply ended before the second visitor could wait behind it"
+    second.predict(api_name="/stop")
+    chat, stats = (lambda r: (r[1], r[-1]))(waiting.result(timeout=300))
+    assert "finished: cancelled" in stats
+    assert len(engine.target.tokenizer(message_text(chat[-1]))["input_ids"]) <= 2  # stopped at once
+    assert "finished: length" in busy.result(timeout=300)[-1]  # the other visitor was not touched
+    # The Stop was used up: the same visitor's next message runs in full.
+    chat, stats = (lambda r: (r[1], r[-1]))(second.predict(*chat_args(PROMPT), api_name="/chat"))
+    assert "finished: cancelled" not in stats
+    messages = [{"role": m["role"], "content": message_text(m)} for m in chat[:-1]]
+    *_, fin = engine.generate(messages, dflash_core.GenerationConfig(max_new_tokens=MAX_NEW), plain=True)
+    assert message_text(chat[-1]) == fin.text
+
+
+def test_stop_while_idle_does_not_cancel_the_next_reply(client: Any, engine: Engine) -> None:
+    client.predict(api_name="/stop")
+    final = client.predict(*chat_args(PROMPT), api_name="/chat")
+    assert "finished: length" in final[-1] and message_text(final[1][-1]) == plain_greedy(engine, PROMPT, MAX_NEW).text
+
+
 def test_next_block_steps_one_block_per_click_to_the_plain_greedy_reply(client: Any, engine: Engine) -> None:
     max_new = 6
     nothing = client.predict("", *chat_args("")[1:], api_name="/next_block")
-    assert "Type a prompt" in nothing[6]  # no prompt and nothing suspended: a hint, no engine work
+    assert "Type a prompt" in nothing[9]  # no prompt and nothing suspended: a hint, no engine work
 
     first = client.predict(*chat_args(PROMPT, max_new=max_new), api_name="/next_block")
-    textbox, chat, _spec, heat, acc, _speed, stats, panel, how = first
+    textbox, chat, _spec, heat, acc, _position, _speed, tree, _race, stats, panel, how = first
+    assert figure(tree)["layout"]["title"]["text"].startswith("Block 1 ")  # the stepped block's candidates
     assert figure(acc)["data"][0]["type"] == "bar"
     assert textbox == ""  # the prompt was taken; the next clicks continue its reply
     assert message_text(chat[0]) == PROMPT and chat[-1]["role"] == "assistant"
@@ -184,11 +270,11 @@ def test_next_block_steps_one_block_per_click_to_the_plain_greedy_reply(client: 
     assert figure(heat)["data"][0]["type"] == "heatmap"
 
     clicks, out = 1, first
-    while "finished" not in out[6]:
+    while "finished" not in out[9]:
         out = client.predict("", *chat_args("")[1:], api_name="/next_block")
         clicks += 1
         assert clicks <= max_new + 1, "step mode does not finish"
-    chat, spec, stats, panel = out[1], out[2], out[6], out[7]
+    chat, spec, stats, panel = out[1], out[2], out[9], out[10]
     assert "Finished (length)" in panel and "finished: length" in stats
     # Greedy: the stepped reply is plain greedy decoding, token for token (here: its text).
     assert message_text(chat[-1]) == plain_greedy(engine, PROMPT, max_new).text
@@ -196,7 +282,7 @@ def test_next_block_steps_one_block_per_click_to_the_plain_greedy_reply(client: 
     assert spec.count('class="blk ') >= clicks  # every block (and the prefill) is in the view
     # Finished: the next empty click starts nothing.
     out = client.predict("", *chat_args("")[1:], api_name="/next_block")
-    assert "Type a prompt" in out[6] and len(out[1]) == 2
+    assert "Type a prompt" in out[9] and len(out[1]) == 2
 
 
 # ----- hostile input: each prompt gets a reply or one clear message, and the app keeps serving -----

@@ -301,11 +301,12 @@ def test_rope_theta_changes_the_output(tmp_path: Path) -> None:
     assert not torch.equal(run_step(da)[1], run_step(db)[1])
 
 
-def test_rope_scaling_is_refused(tmp_path: Path) -> None:
+def test_unknown_rope_scaling_is_refused(tmp_path: Path) -> None:
+    # default, linear and yarn are supported (tests/test_drafter_configs.py); others are named.
     write_checkpoint(tmp_path, small_zlab())
-    cfg = small_zlab(rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    cfg = small_zlab(rope_scaling={"rope_type": "longrope", "factor": 4.0})
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(DFlashError, match=r"RoPE scaling 'yarn'"):
+    with pytest.raises(DFlashError, match=r"RoPE scaling 'longrope'"):
         load_drafter(tmp_path)
 
 

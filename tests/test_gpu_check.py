@@ -38,4 +38,7 @@ def test_cpu_smoke_runs_tests_and_both_benches_and_prints_their_tables(tmp_path:
     g = json.loads((tmp_path / "bench_graphs.json").read_text())["summary"]
     assert g["methods"] == ["plain", "dflash-b4-full"] and g["mismatches"] == 0
     assert "static passes" in g["target_forward"]  # no CUDA here: the passes a graph would replay
+    assert "hybrid rollback exit 0" in out and "record ms" in out and "replay ms" in out
+    h = json.loads((tmp_path / "hybrid.json").read_text())
+    assert [r["accepted"] for r in h["rows"]] == [0, 15] and h["plain_step_ms"] > 0
     assert (tmp_path / "gpu_check.log").read_text() in out  # the summary also comes back as a file

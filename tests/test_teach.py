@@ -80,7 +80,7 @@ def test_reply_page_quotes_the_reply_and_states_the_guarantee() -> None:
     assert s.dflash.tau == (4 + 4 + 1) / 3
     assert "block 1" in text and "block 2" in text and "block 3" in text
     assert "token for token what plain greedy decoding" in text
-    assert "Tick *compare with plain decoding*" in text  # no plain run: no t(1 token) to quote
+    assert "Tick *race plain decoding*" in text  # no plain run: no t(1 token) to quote
 
     sampled = teach.explain(session_with(reply_events(), greedy=False))
     assert "same distribution as plain sampling" in sampled and "token for token what plain" not in sampled
