@@ -115,6 +115,11 @@ class DraftCache:
     Positions `[0, length)` hold the context (one per committed token whose target
     features the drafter has seen). A block's own keys/values go to `[length, length+B)`
     as scratch: they are attended to in that step and overwritten by the next one.
+
+    With a draft window (`window`: the drafter reads only the last N context positions) the
+    buffer holds the window plus `slack` positions, whatever the conversation's length: slot 0
+    holds position `offset`, and when a write would pass the end the window's positions move to
+    the front (every ~slack / block positions, a copy of the window).
     """
 
     def __init__(
@@ -125,19 +130,44 @@ class DraftCache:
         max_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        window: int | None = None,
+        slack: int = 0,
     ) -> None:
-        shape = (num_layers, 1, num_kv_heads, max_len, head_dim)
+        self.max_len = max_len if window is None else min(max_len, window + slack)
+        shape = (num_layers, 1, num_kv_heads, self.max_len, head_dim)
         self.keys = torch.zeros(shape, device=device, dtype=dtype)
         self.values = torch.zeros(shape, device=device, dtype=dtype)
         self.length = 0
-        self.max_len = max_len
+        self.window = window
+        self.offset = 0
+
+    def make_room(self, keep_from: int, end: int) -> None:
+        """Before writing positions up to `end`: positions before `keep_from` are never read again."""
+        if end - self.offset <= self.max_len:
+            return
+        keep_from = max(keep_from, self.offset)
+        n = self.length - keep_from
+        if n > 0:
+            kept = slice(keep_from - self.offset, self.length - self.offset)
+            self.keys[:, :, :, :n] = self.keys[:, :, :, kept].clone()
+            self.values[:, :, :, :n] = self.values[:, :, :, kept].clone()
+        self.offset = keep_from
+        if end - self.offset > self.max_len:
+            raise RuntimeError(f"draft cache overflow: {end - self.offset} > {self.max_len} positions")
 
     def write(self, layer: int, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = at + k.shape[-2]
-        if end > self.max_len:
-            raise RuntimeError(f"draft cache overflow: {end} > {self.max_len} positions")
-        self.keys[layer, :, :, at:end] = k
-        self.values[layer, :, :, at:end] = v
+        start = at - self.offset
+        end = start + k.shape[-2]
+        if start < 0 or end > self.max_len:
+            raise RuntimeError(f"draft cache overflow: positions {at}..{at + k.shape[-2]} outside its "
+                               f"{self.offset}..{self.offset + self.max_len}")
+        self.keys[layer, :, :, start:end] = k
+        self.values[layer, :, :, start:end] = v
 
-    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+    def view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [start, end)."""
+        if start < self.offset:
+            raise RuntimeError(f"draft cache: position {start} was dropped (the window starts at {self.offset}); "
+                               "a draft window cannot widen during a reply")
+        return self.keys[layer, :, :, start - self.offset : end - self.offset], \
+            self.values[layer, :, :, start - self.offset : end - self.offset]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .cache import DraftCache
+from .config import MAX_BLOCK_SIZE
 from .corpus import CorpusNgrams, load_corpus
 from .drafter_config import DFlashConfig
 from .drafter_io import DRAFT_VOCAB_NAME, load_draft_vocab, read_config, read_weights, resolve, write_checkpoint
@@ -130,7 +131,9 @@ class DFlashDrafter(nn.Module):
     def new_cache(self, max_len: int) -> DraftCache:
         p = self.fc.weight
         c = self.config
-        return DraftCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, p.device, p.dtype)
+        # With a draft window, the buffer holds the window and room for a few blocks' writes.
+        return DraftCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_len, p.device, p.dtype,
+                          window=self.draft_window, slack=4 * MAX_BLOCK_SIZE)
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -206,6 +209,12 @@ class DFlashDrafter(nn.Module):
         n_new = 0 if new_context is None else new_context.shape[1]
         if ctx_start + n_new != block_start:
             raise RuntimeError(f"draft context ends at {ctx_start + n_new}, block starts at {block_start}")
+        if cache.window is not None:
+            # Context older than the window is never read: its rows are neither projected nor kept.
+            drop = min(n_new, max(0, block_start - cache.window - ctx_start))
+            if drop:
+                new_context, ctx_start, n_new = new_context[:, drop:], ctx_start + drop, n_new - drop
+            cache.make_room(block_start - cache.window, block_start + bsz)
         cfg, fused = self.config, self._fused()
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         # The new context's positions run straight into the block's, so both take their keys
@@ -228,9 +237,8 @@ class DFlashDrafter(nn.Module):
             q = apply_rope(attn.q_norm(q[n_new:].view(bsz, nh, hd)).transpose(0, 1), cos[n_new:], sin[n_new:])
             k = apply_rope(attn.k_norm(k.view(-1, nkv, hd)).transpose(0, 1), cos, sin)
             cache.write(i, ctx_start, k[None], v.view(-1, nkv, hd).transpose(0, 1)[None])
-            keys, values = cache.view(i, block_start + bsz)
             lo, mask = visible[kinds[i]]
-            keys, values = keys[:, :, lo:], values[:, :, lo:]
+            keys, values = cache.view(i, lo, block_start + bsz)
             out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=nkv != nh)[0]
             h = h + attn.o_proj(out.transpose(0, 1).reshape(bsz, nh * hd))
             gate, up = fused[f"gate_up{i}"](layer.post_attention_layernorm(h)).chunk(2, -1)

@@ -215,7 +215,33 @@ def test_step_attends_like_the_reference(changes: dict[str, Any], window: int | 
         assert torch.allclose(out, want, atol=1e-5), float((out - want).abs().max())
     if window is not None:  # the window matters: without it the drafts differ
         drafter.draft_window = None
-        assert not torch.allclose(drafter.step(block, 30, cache)[0], want, atol=1e-3)
+        assert not torch.allclose(drafter.step(block, 30, drafter.new_cache(64), feats[None, :30])[0], want, atol=1e-3)
+
+
+def test_a_draft_window_bounds_the_drafters_memory_and_reads_the_same_keys() -> None:
+    """A long conversation through a window of 9 positions: the buffer stays at the window plus a
+    few blocks' room (its positions slide to the front as it fills), and every block's hidden
+    states equal the reference's over the whole context."""
+    drafter = init_weights(DFlashDrafter(tiny_config(layer_types=[F, S, F])), std=0.1, seed=6).eval()
+    drafter.draft_window = 9
+    g = torch.Generator().manual_seed(2)
+    n = 600
+    feats = torch.randn(n, 2 * 64, generator=g)
+    cache = drafter.new_cache(n + 8)
+    assert cache.max_len < 200  # not the conversation's 608 positions
+    seen, start, slid = 0, 40, 0
+    while start + 4 < n:
+        block = torch.randn(1, 4, 64, generator=g)
+        offset = cache.offset
+        out = drafter.step(block, start, cache, feats[None, seen:start] if start > seen else None)[0]
+        slid += cache.offset != offset
+        want = reference_block(drafter, feats[:start], block[0], 9)
+        assert torch.allclose(out, want, atol=1e-5), (start, float((out - want).abs().max()))
+        seen, start = start, start + 1 + (start % 5)  # 1..5 tokens committed per block
+    assert slid >= 3
+    drafter.draft_window = 500  # wider than what the cache kept: refused, not read from dropped rows
+    with pytest.raises(RuntimeError, match="cannot widen"):
+        drafter.step(block, start, cache, feats[None, seen:start])
 
 
 def test_training_pass_attends_like_the_reference() -> None:
