@@ -179,6 +179,8 @@ class Target:
         params = inspect.signature(self.model.forward).parameters
         # transformers 5.2x renamed `past_key_values` to `cache`; accept both.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        # Linear-attention layers with recurrent states (Qwen3.5, Qwen3-Next): chains only.
+        self.hybrid = is_hybrid(self.model.config)
         self.fast_forward: FastForward | None = None
         self.step_graphs: StepGraphs | None = None
         self._forward_note = "transformers forward"
@@ -266,13 +268,6 @@ class Target:
         return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
 
     # --- maths ---
-    @property
-    def hybrid(self) -> bool:
-        """Linear-attention layers with recurrent states (Qwen3.5, Qwen3-Next): chains only."""
-        if not hasattr(self, "_hybrid"):
-            self._hybrid = is_hybrid(self.config)
-        return self._hybrid
-
     def new_cache(self, max_len: int, rollback: int = 0) -> TargetCache | HybridTargetCache:
         """A cache for `max_len` positions whose passes of up to `rollback` tokens can be rolled
         back to any length (attention layers always can; a hybrid's recurrent layers record their
@@ -377,10 +372,12 @@ def load_target(spec: str | None = None, device: str | None = None,
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
-    refuse_unsupported(path, spec)
+    config = read_config(path)  # None: the model load says what is wrong
+    if config is not None and (reason := cache_unsupported_reason(config)) is not None:
+        raise DFlashError(f"target {spec!r}: {reason}")  # before any weights load
     auto = dtype is None or dtype == "auto"
     cpu = torch.device(device).type == "cpu"
-    if auto and cpu and torch_dtype == torch.bfloat16 and not batch_invariant_possible(path, fast):
+    if auto and cpu and torch_dtype == torch.bfloat16 and not batch_invariant_possible(config, fast):
         torch_dtype = torch.float32  # known from the config: no batch-invariant path, so no bf16
 
     def build(torch_dtype: torch.dtype) -> Target:
@@ -420,17 +417,14 @@ PROBE_TOKENS = 8
 PROBE_TOLERANCE = 0.05
 
 
-def refuse_unsupported(path: str, spec: str) -> None:
-    """Refuse, from its config alone (before any weights load), a target whose cache cannot be
-    rolled back here."""
+def read_config(path: str) -> Any | None:
+    """The target's transformers config, read before its weights; None where it cannot be read."""
     from transformers import AutoConfig
 
     try:
-        cfg = AutoConfig.from_pretrained(path)
+        return AutoConfig.from_pretrained(path)
     except (OSError, ValueError):
-        return  # the model load says what is wrong
-    if (reason := cache_unsupported_reason(cfg)) is not None:
-        raise DFlashError(f"target {spec!r}: {reason}")
+        return None
 
 
 def probe_decoding(target: Target, spec: str) -> None:
@@ -457,15 +451,9 @@ def probe_decoding(target: Target, spec: str) -> None:
                           f"hold: continuing from the cache changes its logits by {gap:.0%}; {SUPPORTED_TARGETS}")
 
 
-def batch_invariant_possible(path: str, fast: bool | None) -> bool:
-    """Whether a CPU target at `path` may take the batch-invariant bf16 path, as far as its
-    config tells (read before the weights, so that a target that cannot is loaded once)."""
-    from transformers import AutoConfig
-
+def batch_invariant_possible(config: Any | None, fast: bool | None) -> bool:
+    """Whether a CPU target may take the batch-invariant bf16 path, as far as its `config` tells
+    (read before the weights, so that a target that cannot is loaded once; None: unknown)."""
     if not fast_forward_wanted(fast, "cpu", graphs=False):
         return False
-    try:
-        cfg = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError):
-        return True  # let the model load say what is wrong
-    return config_unsupported_reason(cfg) is None
+    return config is None or config_unsupported_reason(config) is None
