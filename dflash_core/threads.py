@@ -42,7 +42,7 @@ def _ticks(cores: set[int]) -> tuple[int, int] | None:
 
 
 def governed() -> bool:
-    """An explicit OMP_NUM_THREADS is the user's choice, left alone; so is any accelerator."""
+    """Whether the thread count is ours to fit: an explicit OMP_NUM_THREADS is the user's choice."""
     return "OMP_NUM_THREADS" not in os.environ
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import serve_app
 from test_sampling_distribution import LENGTH, chi_square_p, exact_distribution, sampled_counts
-from tiny_targets import LINEAR, SHAPE, tiny_model
+from tiny_targets import LINEAR, SHAPE, tiny_model, widen
 from toy import ToyTokenizer
 from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -39,11 +39,7 @@ def qwen35_folder(tmp_path_factory: pytest.TempPathFactory, target: Target) -> P
         "qwen3_5", text_config=dict(SHAPE, **LINEAR, vocab_size=len(target.tokenizer)),
         vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64))
     torch.manual_seed(0)
-    model = AutoModelForImageTextToText.from_config(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.normal_(0.0, 0.08)
+    model = widen(AutoModelForImageTextToText.from_config(cfg).eval())
     folder = tmp_path_factory.mktemp("qwen3.5-tiny")
     model.save_pretrained(folder)
     target.tokenizer.save_pretrained(folder)
@@ -126,11 +122,8 @@ def test_a_state_the_config_does_not_declare_is_refused_at_load(tmp_path: Path, 
 
 
 def test_speculative_sampling_on_a_hybrid_keeps_the_target_distribution() -> None:
-    model = tiny_model("qwen3_5_text", vocab_size=4, seed=3)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.3)  # far from uniform, so the test can tell distributions apart
+    # Far from uniform, so the test can tell distributions apart.
+    model = widen(tiny_model("qwen3_5_text", vocab_size=4, seed=3), std=0.3, embeddings=True)
     target = Target(model=model, tokenizer=ToyTokenizer(), name="toy-hybrid", device=torch.device("cpu"),
                     dtype=torch.float32)
     cfg_d = config_for_target(model.config, num_layers=1, block_size=3, mask_token_id=3)

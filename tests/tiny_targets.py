@@ -35,14 +35,18 @@ HYBRID = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 def tiny_model(model_type: str, vocab_size: int, seed: int = 0, **overrides: Any) -> Any:
     cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, **{**SHAPE, **FAMILIES[model_type], **overrides})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        # Wider than the default init (std 0.02), so greedy choices are far from ties: a near-tie
-        # that float rounding flips would test the float maths, not the decoding.
-        for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
-                p.normal_(0.0, 0.08)
+    model = widen(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval())
     model.generation_config.eos_token_id = None
+    return model
+
+
+def widen(model: Any, std: float = 0.08, embeddings: bool = False) -> Any:
+    """Weight matrices drawn wider than the default init (std 0.02), so greedy choices are far from
+    ties: a near-tie that float rounding flips would test the float maths, not the decoding."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and (embeddings or "embed" not in name):
+                p.normal_(0.0, std)
     return model
 
 
