@@ -1,4 +1,5 @@
-"""bf16 maths on CPUs with AMX in which a row's result never depends on its neighbours.
+"""bf16 maths on CPUs with bf16 hardware (AMX, AVX512-BF16) in which a row's result never
+depends on its neighbours.
 
 Speculative decoding is lossless only if the target's logits for a token are the same whether it
 is computed alone (plain decoding) or as one row of a verify pass. Floating-point results depend on
@@ -6,12 +7,14 @@ the order of additions, and a library picks a different kernel, blocking or thre
 different number of rows; in bf16 the rounding is coarse enough that such a difference flips a
 near-tie every few hundred tokens. This module computes so that it cannot:
 
-- Linear layers: oneDNN's bf16 GEMM with AMX gives each row the same bits for 1..32 rows
-  (measured here for every shape of SmolLM2; 33 rows and more take another kernel), so a pass is
-  cut into calls of at most `MAX_ROWS` rows. The weights are reordered once for oneDNN, which is
-  also what makes bf16 fast: on the 2-core Xeon a 16-token pass costs ~1.26x a one-token pass
-  (fp32 with MKL-packed weights: ~1.8x), so verifying a block or a tree is cheap. Linears that
-  read the same input (q/k/v, gate/up) run as one GEMM (`InvariantLinear.joined`).
+- Linear layers: oneDNN's bf16 GEMM gives each row the same bits for 2..32 rows (measured for
+  every shape of SmolLM2, with AMX and with AVX512-BF16; 33 rows and more take another kernel),
+  so a pass is cut into calls of at most `MAX_ROWS` rows. One row takes a kernel of its own whose
+  bits differ (on AVX512-BF16, on real activations), so a lone row is computed as a pair
+  (`MIN_ROWS`). The weights are reordered once for oneDNN, which is also what makes bf16 fast: a
+  16-token pass costs ~1.26x a one-token pass on the AMX Xeon (fp32 with MKL-packed weights:
+  ~1.8x), so verifying a block or a tree is cheap. Linears that read the same input (q/k/v,
+  gate/up) run as one GEMM (`InvariantLinear.joined`).
 - Attention: the keys a row sees are laid out by their absolute position and reduced in fixed
   chunks of `CHUNK` positions, whatever the pass: a verify row at position p and a plain step at
   p see the same keys in the same slots (a tree row's ancestors are gathered into the slots their
@@ -28,23 +31,31 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 32  # rows per oneDNN call; see the module docstring
+MIN_ROWS = 2  # a lone row is computed beside a copy of itself; see the module docstring
 CHUNK = 64  # key positions per attention chunk (a multiple of 16: exp and sums run without scalar tails)
 
 
+def cpu_has_bf16_units() -> bool:
+    """This CPU multiplies bf16 in hardware: AMX tiles or AVX512-BF16 dot products."""
+    cpu = getattr(torch, "cpu", None)
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+
+
+def bf16_units() -> str:
+    """The bf16 hardware oneDNN runs on here, for reports."""
+    return "AMX" if bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()) else "AVX512-BF16"
+
+
 @functools.cache
-def amx_bf16_available() -> bool:
-    """This CPU multiplies bf16 in AMX tiles and torch's oneDNN can use them."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    if " amx_bf16" not in flags or not torch.backends.mkldnn.is_available():
+def bf16_gemm_available() -> bool:
+    """This CPU multiplies bf16 in hardware and torch's oneDNN can use it."""
+    if not cpu_has_bf16_units() or not torch.backends.mkldnn.is_available():
         return False
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -94,6 +105,8 @@ class InvariantLinear:
         return cls.of(*joined_weight(modules))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < MIN_ROWS:
+            return onednn_linear(x.expand(MIN_ROWS, -1).contiguous(), self.packed, self.bias)[:1]
         if x.shape[0] <= MAX_ROWS:
             return onednn_linear(x, self.packed, self.bias)
         return torch.cat([self(x[i : i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])

@@ -85,7 +85,7 @@ class FastForward:
         weight = inner.embed_tokens.weight
         if invariant is None:
             invariant = (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-                         and batch_invariant.amx_bf16_available())
+                         and batch_invariant.bf16_gemm_available())
         self.invariant = invariant
         if invariant:
             pack = False  # oneDNN reorders the bf16 weights instead

@@ -134,7 +134,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu":
         return None
     if weight.dtype == torch.bfloat16:
-        return batch_invariant.onednn_weight(weight) if batch_invariant.amx_bf16_available() else None
+        return batch_invariant.onednn_weight(weight) if batch_invariant.bf16_gemm_available() else None
     if weight.dtype == torch.float32 and onednn_fp32_works():
         return batch_invariant.onednn_weight(weight)
     if weight.dtype != torch.float32 or not mkl_packing_works():

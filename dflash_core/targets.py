@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .batch_invariant import CHUNK, amx_bf16_available
+from .batch_invariant import CHUNK, bf16_gemm_available, bf16_units
 from .cache import TargetCache
 from .errors import DFlashError
 from .fast_forward import FastForward
@@ -113,9 +113,9 @@ def default_device() -> str:
 
 
 def default_dtype(device: str) -> torch.dtype:
-    """bf16 on CUDA, and on CPUs with AMX (where the fast forward's bf16 is batch-invariant:
+    """bf16 on CUDA, and on CPUs with bf16 units (where the fast forward's bf16 is batch-invariant:
     exact, and a verify pass is cheap); float32 elsewhere."""
-    if str(device).startswith("cuda") or amx_bf16_available():
+    if str(device).startswith("cuda") or bf16_gemm_available():
         return torch.bfloat16
     return torch.float32
 
@@ -194,7 +194,7 @@ class Target:
                 packed = f", {by}-{'reordered' if by == 'oneDNN' else 'packed'} weights" if by else ""
                 self._forward_note = f"fast forward{packed}"
                 if self.fast_forward.invariant:
-                    self._forward_note = "fast forward, batch-invariant bf16 (oneDNN, AMX)"
+                    self._forward_note = f"fast forward, batch-invariant bf16 (oneDNN, {bf16_units()})"
                     if not rows_agree(self.model, self.fast_forward):
                         self.fast_forward = FastForward(self.model, invariant=False)
                         self._forward_note = ("fast forward, bf16 (the batch-invariance check failed here: "
@@ -212,7 +212,7 @@ class Target:
 
     @property
     def invariant(self) -> bool:
-        """The forward gives a token the same bits in a pass of any size (bf16 on AMX CPUs)."""
+        """The forward gives a token the same bits in a pass of any size (bf16 on CPUs with bf16 units)."""
         return self.fast_forward is not None and self.fast_forward.invariant
 
     @property

@@ -37,13 +37,13 @@ def pinned_costs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def target() -> Target:
-    """The default: bf16 and batch-invariant on a CPU with AMX, float32 elsewhere."""
+    """The default: bf16 and batch-invariant on a CPU with bf16 units (AMX, AVX512-BF16), float32 elsewhere."""
     return load_target("embedded", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def target_fp32(target: Target) -> Target:
-    """The float32 target that CPUs without AMX run (the same object where that is the default)."""
+    """The float32 target that CPUs without bf16 units run (the same object where that is the default)."""
     return target if target.dtype == torch.float32 else load_target("embedded", device="cpu", dtype="float32")
 
 

@@ -13,10 +13,10 @@ import torch
 from conftest import free_port
 
 from dflash_core.__main__ import main
+from dflash_core.batch_invariant import cpu_has_bf16_units
 from dflash_core.drafter import DFlashDrafter, init_weights, load_drafter
 from dflash_core.drafter_config import check_fit, config_for_target
 from dflash_core.train.batch import HeadSubset, PaddedBatch, batch_forward, collate, context_features
-from dflash_core.train.loop import cpu_has_fast_bf16
 from dflash_core.train.recipe import IGNORE, build_blocks
 from dflash_core.train.shards import iter_samples
 from dflash_core.train.state import STATE_NAME
@@ -57,7 +57,7 @@ def test_train_generates_trains_and_reports(trained: Path, target) -> None:
     for r in report["tau"].values():
         assert r["prompts"] == 1 and r["blocks"] >= 1 and 1.0 <= r["tau"] <= 8.0
     assert report["hardware"]["device"] == "cpu" and report["features"] == "cache"
-    assert report["autocast"] == ("bfloat16" if cpu_has_fast_bf16() else None)
+    assert report["autocast"] == ("bfloat16" if cpu_has_bf16_units() else None)
     # On CPU the training head defaults to the frequent reply tokens: here all of them (3 tiny replies).
     assert report["train_vocab"]["coverage"] == 1.0
     assert report["train_vocab"]["size"] == len({t for s in samples for t in s["response_ids"]})
@@ -244,7 +244,7 @@ def test_bf16_autocast_step_follows_fp32(target_fp32, monkeypatch) -> None:
     assert train_loop.train_autocast("bf16", "cpu") == torch.bfloat16
     assert train_loop.train_autocast("auto", "cuda") == torch.bfloat16
     for fast in (False, True):
-        monkeypatch.setattr(train_loop, "cpu_has_fast_bf16", lambda fast=fast: fast)
+        monkeypatch.setattr(train_loop, "cpu_has_bf16_units", lambda fast=fast: fast)
         assert train_loop.train_autocast("auto", "cpu") == (torch.bfloat16 if fast else None)
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..batch_invariant import cpu_has_bf16_units
 from ..drafter import DFlashDrafter
 from .batch import BatchOutput, HeadSubset, PaddedBatch, batch_forward
 from .dist import Dist
@@ -28,18 +29,11 @@ LOG_NAME = "log.jsonl"
 REFIT_AFTER = (20, 200)
 
 
-def cpu_has_fast_bf16() -> bool:
-    """A CPU whose bf16 matrix products beat fp32 ones (AMX tiles or AVX512-BF16 dot products)."""
-    cpu = getattr(torch, "cpu", None)
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
-
-
 def train_autocast(choice: str, device: torch.device | str) -> torch.dtype | None:
     """The drafter step's autocast dtype (None: plain fp32) for --autocast `choice` on `device`."""
     if choice == "off":
         return None
-    if choice == "bf16" or torch.device(device).type == "cuda" or cpu_has_fast_bf16():
+    if choice == "bf16" or torch.device(device).type == "cuda" or cpu_has_bf16_units():
         return torch.bfloat16
     return None
 
