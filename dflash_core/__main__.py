@@ -298,13 +298,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def add_bench(sub: argparse._SubParsersAction) -> None:
     from .bench_stats import METHOD_HELP
+    from .prompt_sets import BUILTIN
 
     p = sub.add_parser("bench", parents=[model_options(), decoding_options(256)], formatter_class=HelpFormatter,
                        help="time plain vs DFlash decoding (and transformers' peers) on a prompt set",
                        description="Benchmark decoding methods on the same prompts, target and run; writes a "
                                    "JSON report, optionally a self-contained HTML report and the README table.")
-    p.add_argument("--prompts", "--set", dest="prompts", required=True, metavar="FILE.jsonl|humaneval|gsm8k",
-                   help='JSONL of {"prompt": str} or {"turns": [str, ...]}, or a built-in set')
+    p.add_argument("--prompts", "--set", dest="prompts", required=True, metavar="FILE.jsonl|SET",
+                   help='JSONL of {"prompt": str} or {"turns": [str, ...]}, or a built-in set: '
+                        f"{', '.join(BUILTIN)} (mtbench: two turns per prompt, both timed; mtbench-1: "
+                        "first turns only)")
     p.add_argument("--limit", type=int, default=None, metavar="K", help="use the first K prompts (default: all)")
     p.add_argument("--skip", type=int, default=0, metavar="N",
                    help="leave out the first N prompts (before --limit), e.g. to measure a drafter on "

