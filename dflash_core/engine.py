@@ -117,7 +117,7 @@ class Engine:
                 break
             index += 1
             result = step.block(out[-1], start)
-            tally.add(result, drafted=not plain)
+            tally.add(result)
             kept, reason = stopper.commit(out, result.tokens)
             step.committed(result, kept)
             yield self._event(index, start, result, kept, out)
@@ -139,7 +139,8 @@ class Engine:
         max_nodes = max_tree_nodes(block, sized=mode == "tree")
         cache_len = len(ids) + max_new + max(block, max_nodes + 1 if tree else 0) + 1
         cost = self.cost_table(mode, block)
-        pace = Pace(cost, block, None if self.pinned_costs is None else self.pinned_costs.draft_ms)
+        pinned = self.pinned_costs
+        pace = Pace(cost, block, None if pinned is None else pinned.draft_ms, rest=pinned is None or pinned.rest)
         drafting = self.drafting
 
         def draft(anchor: int, start: int, context: torch.Tensor | None, cache: object, length: int) -> Draft:
@@ -280,11 +281,11 @@ class _Tally:
     def __post_init__(self) -> None:
         self.accepted: list[int] = []
 
-    def add(self, result: BlockResult, drafted: bool) -> None:
+    def add(self, result: BlockResult) -> None:
         self.draft_s += result.draft_ms / 1e3
         self.verify_s += result.verify_ms / 1e3
         self.blocks += 1
-        if drafted:
+        if result.drafted:
             self.accepted.append(result.accepted)
 
     def finish(self, reason: str, ids: list[int], target: Target, stop: tuple[str, ...]) -> Finished:

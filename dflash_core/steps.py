@@ -40,6 +40,11 @@ class BlockResult:
     def accepted(self) -> int:
         return len(self.tokens) - 1
 
+    @property
+    def drafted(self) -> bool:
+        """A drafted block (not a plain step, nor a step taken while drafting rests)."""
+        return bool(self.steps)
+
 
 class PlainStep:
     """Plain autoregressive decoding: one target pass per token, the baseline."""
@@ -67,14 +72,32 @@ class PlainStep:
         """What the reply kept of `result` (less where it stopped)."""
 
 
-class ChainStep(PlainStep):
+class DraftingStep(PlainStep):
+    """What chain and tree steps share: the drafter's side of a block, the `pace` that sizes it,
+    and plain steps (that still give the drafter the target's features) while drafting rests."""
+
+    def __init__(self, target: Target, cache_len: int, sampler: Sampler, draft: DraftFn, draft_cache: object,
+                 layer_ids: list[int], pace: Pace, rollback: int = 0) -> None:
+        super().__init__(target, cache_len, sampler, rollback)
+        self.draft, self.draft_cache, self.layer_ids, self.pace = draft, draft_cache, layer_ids, pace
+
+    def resting_block(self, anchor: int) -> BlockResult:
+        t0 = time.perf_counter()
+        logits, feats = self.target.forward(torch.tensor([[anchor]], device=self.target.device), self.cache,
+                                            self.layer_ids)
+        tok = int(self.sampler.choose(logits)[0])
+        self.context = feats[None] if self.context is None else torch.cat([self.context, feats[None]], 1)
+        self.pace.rested()
+        return BlockResult([tok], verify_ms=(time.perf_counter() - t0) * 1e3)
+
+
+class ChainStep(DraftingStep):
     """DFlash as published: the target verifies one drafted chain (all of it, or the prefix
     `pace` finds worth a pass) and keeps the longest prefix its own rule accepts."""
 
     def __init__(self, target: Target, cache_len: int, sampler: Sampler, draft: DraftFn, draft_cache: object,
                  layer_ids: list[int], pace: Pace, max_new: int) -> None:
-        super().__init__(target, cache_len, sampler, rollback=pace.block)
-        self.draft, self.draft_cache, self.layer_ids, self.pace = draft, draft_cache, layer_ids, pace
+        super().__init__(target, cache_len, sampler, draft, draft_cache, layer_ids, pace, rollback=pace.block)
         # On CUDA the accept step runs as Triton kernels that also write the committed tokens into
         # a device-side buffer at a device-side length: the block's one sync then reads them too.
         self.fused = kernels.use_triton(target.device)
@@ -84,6 +107,13 @@ class ChainStep(PlainStep):
             self.n_committed = 0  # the host's copy of committed_len, learnt at each block's sync
 
     def block(self, anchor: int, start: int) -> BlockResult:
+        if self.pace.resting:
+            result = self.resting_block(anchor)
+            if self.fused:  # the device-side record of committed tokens stays whole
+                self.committed_dev[self.n_committed] = result.tokens[0]
+                self.committed_len += 1
+                self.n_committed += 1
+            return result
         t1 = time.perf_counter()
         draft = self.draft(anchor, start, self.context, self.draft_cache, self.pace.draft_length)
         tokens, q, depth = draft.tokens, draft.q, None
@@ -102,7 +132,7 @@ class ChainStep(PlainStep):
         t3 = time.perf_counter()
         self.cache.truncate(start + len(new))
         self.context = feats[None, : len(new)]
-        self.pace.record(depth, t2 - t1)
+        self.pace.record(depth, t2 - t1, len(tokens), len(new), time.perf_counter() - t1)
         return BlockResult(new, draft.history(), (t2 - t1) * 1e3, (t3 - t2) * 1e3, verified=len(tokens))
 
     def _accept_fused(self, tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> list[int]:
@@ -119,7 +149,7 @@ class ChainStep(PlainStep):
         return written[: acc + 1]
 
 
-class TreeStep(PlainStep):
+class TreeStep(DraftingStep):
     """The target checks a tree of candidates in one pass: the drafter's likeliest tokens per
     position, prompt-lookup and n-gram guesses (`lookup`), as many as pay on this machine
     (`pace`), and walks it with its own choices (draft_tree.py explains why that is exact)."""
@@ -127,14 +157,16 @@ class TreeStep(PlainStep):
     def __init__(self, target: Target, cache_len: int, sampler: Sampler, draft: DraftFn, draft_cache: object,
                  layer_ids: list[int], pace: Pace, max_nodes: int, lookup: NgramIndex | None,
                  corpus: CorpusNgrams | None) -> None:
-        super().__init__(target, cache_len, sampler)
-        self.draft, self.draft_cache, self.layer_ids, self.pace = draft, draft_cache, layer_ids, pace
+        super().__init__(target, cache_len, sampler, draft, draft_cache, layer_ids, pace)
         self.max_nodes, self.lookup, self.corpus = max_nodes, lookup, corpus
         self.rates = LookupRates()
         self.guess: tuple[int, list[int]] = (0, [])
         self.texts: dict[int, str] = {}  # token id -> its text, decoded once per reply for the tree's picture
 
     def block(self, anchor: int, start: int) -> BlockResult:
+        if self.pace.resting:
+            self.guess = (0, [])  # no lookup guess was made for this token
+            return self.resting_block(anchor)
         t1 = time.perf_counter()
         draft = self.draft(anchor, start, self.context, self.draft_cache, self.pace.draft_length)
         tree = candidate_tree(draft, self.max_nodes)
@@ -148,13 +180,13 @@ class TreeStep(PlainStep):
         t2 = time.perf_counter()
         rows, line, tok = self.verify(anchor, tree)
         t3 = time.perf_counter()
-        self.pace.record(depth, t2 - t1)
         shown = walked_step(tree, line, draft)
         acc = len(rows) - 1
         looked = (sum(tree.from_lookup), sum(tree.is_lookup(i) for i in line[:acc]))
+        picture = self.picture(tree, line[:acc], tok, draft)
+        self.pace.record(depth, t2 - t1, len(tree), len(rows), time.perf_counter() - t1)
         return BlockResult([*shown.tokens[:acc], tok], [shown], (t2 - t1) * 1e3, (t3 - t2) * 1e3,
-                           verified=len(line), tree_nodes=len(tree), lookup=looked,
-                           tree=self.picture(tree, line[:acc], tok, draft))
+                           verified=len(line), tree_nodes=len(tree), lookup=looked, tree=picture)
 
     def picture(self, tree: DraftTree, walked: list[int], tok: int, draft: Draft) -> CandidateTree:
         """The checked tree as plain data for the block's event: what the app draws."""

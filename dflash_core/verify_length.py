@@ -17,11 +17,16 @@ The drafted length adapts too (`next_draft_length`): drafting positions that wil
 verified costs drafter time, so the next block drafts a little past the longest prefix recently
 worth verifying, and doubles when a whole drafted block was verified.
 
+When drafted blocks do not pay at all (the drafter is often wrong on this text, or a pass costs
+too much on this machine), `Pace` stops drafting for a while (`Pace.resting`): the step decodes
+plain tokens, then drafts again to probe, resting twice as long each time the probe loses.
+
 Why this stays exact: verification is unchanged; only fewer draft tokens reach it. Greedy
 decoding commits the target's argmax whatever is verified. For speculative sampling the
 choice must not depend on which tokens were drawn, or the accepted prefix would be biased;
 c_j = max_v q_j(v) of the *first* denoising step is computed before any token is drawn, so
-the length is fixed independently of the draws.
+the length is fixed independently of the draws. Resting depends only on blocks already
+committed: every token is still drawn from the target's distribution given the text before it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ MIN_DRAFT_LENGTH = 4  # anchor + 3 drafts: a floor to grow back from; this short
 RECENT_BLOCKS = 8
 TIMING_CONTEXT = 128  # tokens of context the verify passes are timed after
 TIMING_REPEATS = 3
+PAYING_WINDOW = 8  # drafted blocks judged together: one unlucky block is no verdict
+LOSING = 0.9  # rest when the window committed under this share of plain steps' tokens in its time
+FIRST_REST, LONGEST_REST = 8, 128  # plain tokens decoded while drafting rests
 
 
 def resolve_mode(mode: str, device: torch.device | str, *, greedy: bool = False, tree_ok: bool = False) -> str:
@@ -174,19 +182,30 @@ class PassCosts:
     chain: VerifyCost
     tree: VerifyCost
     draft_ms: float
+    rest: bool = False  # whether `Pace` may stop drafting (most tests keep every block drafted)
 
 
 class Pace:
     """Sizes one reply's blocks: how many candidates a block verifies (those that pay for their
     share of the pass, `choose_prefix`) and how far the next block drafts (`next_draft_length`).
     `cost` None verifies every drafted candidate; the drafting time is the reply's running mean
-    unless `draft_ms` fixes it."""
+    unless `draft_ms` fixes it.
 
-    def __init__(self, cost: VerifyCost | None, block: int, draft_ms: float | None = None) -> None:
+    With `rest`, it also stops drafting when the last `PAYING_WINDOW` drafted blocks committed
+    fewer tokens per unit of their cost (drafting plus the pass, from `cost`: the same verdicts
+    on a busy machine) than plain steps would (`cost(1)` each): the next `FIRST_REST` tokens are
+    plain steps, then blocks are drafted again; a probe that loses doubles the rest (up to
+    `LONGEST_REST`), one that pays resets it."""
+
+    def __init__(self, cost: VerifyCost | None, block: int, draft_ms: float | None = None,
+                 rest: bool = True) -> None:
         self.cost, self.block, self.fixed_draft_ms = cost, block, draft_ms
         self.draft_length = block  # anchor included
         self.verified: list[int] = []
         self.draft_s, self.blocks = 0.0, 0
+        self.rest = rest and cost is not None
+        self.recent: list[tuple[int, float]] = []  # (tokens committed, modelled ms) of drafted blocks
+        self.resting, self.next_rest = 0, FIRST_REST
 
     def size(self, scores: list[float], drafting_s: float) -> int:
         """How many of the candidates, scored best first, to verify (all without a cost table);
@@ -198,14 +217,31 @@ class Pace:
             draft_ms = (self.draft_s + drafting_s) * 1e3 / (self.blocks + 1)
         return choose_prefix(scores, self.cost, draft_ms)
 
-    def record(self, verified_depth: int | None, draft_s: float) -> None:
-        """After a block: how deep its drafter candidates were verified (None: not sized) and
-        what its drafting cost."""
+    def record(self, verified_depth: int | None, draft_s: float, verified: int = 0, committed: int = 0,
+               block_s: float = 0.0) -> None:
+        """After a block: how deep its drafter candidates were verified (None: not sized), what
+        its drafting cost, how many candidates the pass checked, how many tokens it committed
+        and how long the whole block took."""
         self.draft_s += draft_s
         self.blocks += 1
         if verified_depth is not None and self.cost is not None:
             self.verified.append(verified_depth)
             self.draft_length = next_draft_length(self.verified, self.draft_length, self.block)
+        if self.rest and self.cost is not None:
+            # Pinned costs (tests): the block as modelled; measured ones: as timed, host work included.
+            ms = block_s * 1e3 if self.fixed_draft_ms is None else self.fixed_draft_ms + self.cost(verified + 1)
+            self.recent = [*self.recent[1 - PAYING_WINDOW :], (committed, ms)]
+            if len(self.recent) == PAYING_WINDOW:
+                tokens, ms = sum(t for t, _ in self.recent), sum(m for _, m in self.recent)
+                if tokens * self.cost(1) < LOSING * ms:  # plain steps would clearly have committed more
+                    self.resting, self.recent = self.next_rest, []
+                    self.next_rest = min(2 * self.next_rest, LONGEST_REST)
+                else:
+                    self.next_rest = FIRST_REST
+
+    def rested(self) -> None:
+        """A plain step was taken instead of a block."""
+        self.resting -= 1
 
 
 def chain_scores(confidence: list[float]) -> list[float]:

@@ -16,7 +16,7 @@ import torch
 from scipy.stats import chisquare
 from toy import toy_target
 
-from dflash_core import verify
+from dflash_core import verify, verify_length
 from dflash_core.config import GenerationConfig
 from dflash_core.drafter import DFlashDrafter, init_weights
 from dflash_core.drafter_config import config_for_target
@@ -147,4 +147,23 @@ def test_adaptive_verify_length_keeps_sampling_exact(toy_engine: Engine, monkeyp
         checked.update(ev.checked for ev in events[1:])
         counts[tuple(fin.token_ids)] += 1
     assert checked[1] > TRIALS / 20 and checked[2] > TRIALS / 20, checked  # both lengths were chosen often
+    assert chi_square_p(counts, exact_distribution(toy_engine.target, cfg)) > 1e-3
+
+
+def test_resting_after_losing_blocks_keeps_sampling_exact(toy_engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether a step drafts or rests follows from blocks already committed (here: a block that
+    kept no draft makes the next token a plain step), never from the draws of the step itself,
+    so the reply still follows the target's distribution."""
+    toy_costs = VerifyCost((1, 2, 3), (100.0, 115.0, 135.0))
+    monkeypatch.setattr(Engine, "pinned_costs", PassCosts(chain=toy_costs, tree=toy_costs, draft_ms=8.0, rest=True))
+    monkeypatch.setattr(verify_length, "PAYING_WINDOW", 1)
+    monkeypatch.setattr(verify_length, "FIRST_REST", 1)
+    cfg = GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1, verify="adaptive")
+    kinds: Counter = Counter()
+    counts: Counter = Counter()
+    for seed in range(TRIALS):
+        *events, fin = toy_engine.generate(PROMPT, cfg.with_(seed=seed))
+        kinds.update(ev.is_draft_block for ev in events[1:])
+        counts[tuple(fin.token_ids)] += 1
+    assert kinds[False] > TRIALS / 20 and kinds[True] > TRIALS / 20, kinds  # both kinds of step were taken often
     assert chi_square_p(counts, exact_distribution(toy_engine.target, cfg)) > 1e-3

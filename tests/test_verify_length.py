@@ -19,7 +19,12 @@ from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
 from dflash_core.loading import SHIPPED_DRAFTER
 from dflash_core.verify_length import (
+    FIRST_REST,
+    LONGEST_REST,
     MIN_DRAFT_LENGTH,
+    PAYING_WINDOW,
+    Pace,
+    PassCosts,
     VerifyCost,
     chain_scores,
     choose_prefix,
@@ -87,6 +92,70 @@ def test_drafted_length_follows_what_was_verified() -> None:
     assert next_draft_length([7], 8, 10) == 10  # never past the block size
     long_ago = [12] + [1] * 8
     assert next_draft_length(long_ago, 16, 16) == MIN_DRAFT_LENGTH  # only recent blocks count
+
+
+def losing(pace: Pace, blocks: int = PAYING_WINDOW) -> None:
+    """Blocks that verify 7 drafts and keep none: 1 token for a draft and a pass of 8."""
+    for _ in range(blocks):
+        pace.record(7, 0.0, verified=7, committed=1)
+
+
+def test_drafting_rests_while_blocks_lose_to_plain_steps() -> None:
+    """With pinned costs, judged on modelled ones (the table's passes and the fixed drafting time), so the verdicts
+    are the same on any machine: a losing window rests for FIRST_REST plain tokens, each losing
+    probe doubles the rest up to LONGEST_REST, a paying window resets it."""
+    cost = VerifyCost((1, 16), (10.0, 25.0))
+    pace = Pace(cost, 16, draft_ms=2.0)
+    losing(pace, PAYING_WINDOW - 1)
+    assert pace.resting == 0  # too few blocks for a verdict
+    losing(pace, 1)
+    assert pace.resting == FIRST_REST
+    for _ in range(FIRST_REST):
+        pace.rested()
+    assert pace.resting == 0
+    losing(pace)
+    assert pace.resting == 2 * FIRST_REST
+    pace.resting = 0
+    for _ in range(10):
+        losing(pace)
+        pace.resting = 0
+    assert pace.next_rest == LONGEST_REST
+    # 3 tokens per block of 2 + cost(8) = 16 ms beat plain's 10 ms a token: no rest, reset.
+    for _ in range(PAYING_WINDOW):
+        pace.record(7, 0.0, verified=7, committed=3)
+    assert pace.resting == 0 and pace.next_rest == FIRST_REST
+    # Blocks of 2 + cost(3) = 14 ms: 2 tokens each pay (7 ms a token against 10), 1 each does
+    # not: rests come only below LOSING of plain's rate (1.25 tokens: 11.2 ms a token).
+    for committed, rests in ((2, False), (1, True)):
+        pace = Pace(cost, 16, draft_ms=2.0)
+        for _ in range(PAYING_WINDOW):
+            pace.record(2, 0.0, verified=2, committed=committed)
+        assert (pace.resting > 0) == rests
+
+
+def test_no_rest_without_a_cost_table_or_when_turned_off() -> None:
+    """`full` verifies every draft as published (no table), and `rest=False` (most tests)."""
+    for pace in (Pace(None, 16), Pace(VerifyCost((1, 16), (10.0, 25.0)), 16, draft_ms=2.0, rest=False)):
+        losing(pace, 3 * PAYING_WINDOW)
+        assert pace.resting == 0
+
+
+@pytest.mark.parametrize("verify", ["adaptive", "tree"])
+def test_a_drafter_that_never_pays_rests_and_stays_exact(target, random_drafter: DFlashDrafter, verify: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The random drafter almost never guesses right: after a few blocks the reply goes on in
+    plain steps, drafting again now and then to probe, and the tokens are plain greedy's."""
+    monkeypatch.setattr(Engine, "pinned_costs", PassCosts(chain=CPU_LIKE, tree=CPU_LIKE, draft_ms=8.0, rest=True))
+    eng = Engine(target, random_drafter)
+    cfg = GenerationConfig(max_new_tokens=60, block_size=8, verify=verify)
+    plain = finish(eng.generate(PROMPTS[0], cfg, plain=True)).token_ids
+    events, fin = run(eng, PROMPTS[0], cfg)
+    assert fin.token_ids == plain
+    check_events(events, fin, prompt_len=fin.prompt_tokens, max_new=60, block=8, eos=target.eos_ids, full=False)
+    drafted = [ev.is_draft_block for ev in events[1:]]
+    assert drafted[:PAYING_WINDOW] == [True] * PAYING_WINDOW
+    assert drafted[PAYING_WINDOW : PAYING_WINDOW + FIRST_REST] == [False] * FIRST_REST
+    assert sum(drafted) < len(drafted) / 2 and True in drafted[PAYING_WINDOW + FIRST_REST :]  # it probed again
 
 
 def test_mode_resolution_and_validation() -> None:
