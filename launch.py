@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     mode = engine.verify_mode(dflash_core.GenerationConfig())
     t1 = time.perf_counter()
     cost = None if drafter is None else engine.cost_table(mode, drafter.block_size)
+    if cost is not None and mode != "adaptive":  # sampling's default: a chain sized by chain passes
+        engine.cost_table("adaptive", drafter.block_size)
     if cost is not None:
         steps = ", ".join(f"{n}: {r:.2f}" for n, r in cost.relative().items())
         print(f"[dflash] {mode} pass cost in one-token passes ({steps}) measured in "

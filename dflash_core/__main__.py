@@ -175,6 +175,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     config = generation_config(args, stop=tuple(args.stop))
     # Plain decoding never touches a drafter, so don't load (or warn about) one unless asked to.
     engine = load_engine(args, draft="none" if args.plain and args.draft is None else None)
+    if not args.plain and engine.drafter is not None:
+        # Before the reply, as launch.py does: sizing blocks needs the target's pass times, and the
+        # reply's tokens/s should not include measuring them.
+        t0 = time.perf_counter()
+        if engine.cost_table(engine.verify_mode(config), config.block_size or engine.drafter.block_size):
+            print(f"[dflash] pass costs measured in {time.perf_counter() - t0:.1f} s (before the reply)",
+                  file=sys.stderr)
     stream = TextStream(config, sys.stdout)
     fin = None
     for ev in engine.generate(args.prompt, config, plain=args.plain):
