@@ -40,7 +40,10 @@ def test_greedy_equal_to_the_text_changes_nothing() -> None:
     assert rows.labels[1, :B].tolist() == [IGNORE, *ids[6:9].tolist()]
 
 
-def test_labels_of_the_targets_own_reply_and_of_an_edited_one(target) -> None:
+def test_labels_of_the_targets_own_reply_and_of_an_edited_one(target_fp32) -> None:
+    # float32: labelling runs one whole pass, generation one token at a time; in bf16 those round
+    # differently (only the verify path is batch-invariant), so a near-tie could split them.
+    target = target_fp32
     prompt = target.encode_chat([{"role": "user", "content": "Name three colours."}])
     reply = generate_batch(target, [prompt], [0.0], 12, target.eos_ids, 2)[0]
     assert len(reply) >= 6
