@@ -40,16 +40,19 @@ MIN_ROWS = 2  # a lone row is computed beside a copy of itself; see the module d
 CHUNK = 64  # key positions per attention chunk (a multiple of 16: exp and sums run without scalar tails)
 
 
+def _cpu_supports(probe: str) -> bool:
+    """torch's own CPU feature probe `probe` (False where this torch lacks it)."""
+    return bool(getattr(getattr(torch, "cpu", None), probe, lambda: False)())
+
+
 def cpu_has_bf16_units() -> bool:
     """This CPU multiplies bf16 in hardware: AMX tiles or AVX512-BF16 dot products."""
-    cpu = getattr(torch, "cpu", None)
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in probes)
+    return _cpu_supports("_is_amx_tile_supported") or _cpu_supports("_is_avx512_bf16_supported")
 
 
 def bf16_units() -> str:
     """The bf16 hardware oneDNN runs on here, for reports."""
-    return "AMX" if bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()) else "AVX512-BF16"
+    return "AMX" if _cpu_supports("_is_amx_tile_supported") else "AVX512-BF16"
 
 
 @functools.cache

@@ -192,10 +192,11 @@ class Pace:
     unless `draft_ms` fixes it.
 
     With `rest`, it also stops drafting when the last `PAYING_WINDOW` drafted blocks committed
-    fewer tokens per unit of their cost (drafting plus the pass, from `cost`: the same verdicts
-    on a busy machine) than plain steps would (`cost(1)` each): the next `FIRST_REST` tokens are
-    plain steps, then blocks are drafted again; a probe that loses doubles the rest (up to
-    `LONGEST_REST`), one that pays resets it."""
+    under `LOSING` times the tokens plain steps (`cost(1)` each) would have in the blocks' time:
+    the next `FIRST_REST` tokens are plain steps, then blocks are drafted again; a probe that
+    loses doubles the rest (up to `LONGEST_REST`), one that pays resets it. A block's time is as
+    timed (host work included), or, with a fixed `draft_ms` (pinned costs, in tests), as modelled
+    from `cost`, so that verdicts do not depend on the machine's load."""
 
     def __init__(self, cost: VerifyCost | None, block: int, draft_ms: float | None = None,
                  rest: bool = True) -> None:
@@ -204,7 +205,7 @@ class Pace:
         self.verified: list[int] = []
         self.draft_s, self.blocks = 0.0, 0
         self.rest = rest and cost is not None
-        self.recent: list[tuple[int, float]] = []  # (tokens committed, modelled ms) of drafted blocks
+        self.recent: list[tuple[int, float]] = []  # (tokens committed, ms) of the last drafted blocks
         self.resting, self.next_rest = 0, FIRST_REST
 
     def size(self, scores: list[float], drafting_s: float) -> int:
@@ -228,7 +229,6 @@ class Pace:
             self.verified.append(verified_depth)
             self.draft_length = next_draft_length(self.verified, self.draft_length, self.block)
         if self.rest and self.cost is not None:
-            # Pinned costs (tests): the block as modelled; measured ones: as timed, host work included.
             ms = block_s * 1e3 if self.fixed_draft_ms is None else self.fixed_draft_ms + self.cost(verified + 1)
             self.recent = [*self.recent[1 - PAYING_WINDOW :], (committed, ms)]
             if len(self.recent) == PAYING_WINDOW:
