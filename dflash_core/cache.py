@@ -1,6 +1,9 @@
 """Preallocated KV caches. Rolling back rejected tokens is moving a length, never copying.
 
-`TargetCache` plugs into any transformers causal LM (it is a `transformers.Cache`);
+`TargetCache` plugs into any transformers causal LM (it is a `transformers.Cache`). Keys and values
+may differ in width: multi-head latent attention (DeepSeek-V3, Kimi-K2.5) caches its compressed
+latent as "keys" and the shared rotary key as "values". DeepSeek-V3.2's sparse-attention indexer
+keeps its own keys per layer (`update_indexer`), rolled back with the same length;
 `DraftCache` is the drafter's own: it keeps only the projected target context, and the
 block's keys/values are written past the end as scratch that the next block overwrites.
 """
@@ -21,9 +24,21 @@ class PreallocatedLayer(CacheLayerMixin):
     def __init__(self, max_cache_len: int, value_ones: bool = False, **kwargs: object) -> None:
         super().__init__()
         self.max_cache_len = max_cache_len
+        self.indexer_keys: torch.Tensor | None = None  # DeepSeek-V3.2's indexer keys [b, max_len, d]
+        self.indexer_length = 0
         self.length = 0
         self.value_ones = value_ones
         self.values_ones: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Valid positions; lowering it (a rollback) drops the indexer keys past it too."""
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length = n
+        self.indexer_length = min(self.indexer_length, n)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, dk = key_states.shape
@@ -54,6 +69,19 @@ class PreallocatedLayer(CacheLayerMixin):
         self.length = end
         return self.keys[:, :, :end], self.values[:, :, :end]
 
+    def update_indexer(self, key_states: torch.Tensor) -> torch.Tensor:
+        """DeepSeek-V3.2's indexer keys [b, n, d] for the pass's positions (after the rolled-back
+        ones, whether the layer's `update` came first or not); returns all of them."""
+        b, n, d = key_states.shape
+        if self.indexer_keys is None:
+            self.indexer_keys = key_states.new_zeros((b, self.max_cache_len, d))
+        end = self.indexer_length + n
+        if end > self.max_cache_len:
+            raise RuntimeError(f"KV cache overflow: {end} > {self.max_cache_len} positions")
+        self.indexer_keys[:, self.indexer_length : end] = key_states
+        self.indexer_length = end
+        return self.indexer_keys[:, :end]
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
 
@@ -64,7 +92,7 @@ class PreallocatedLayer(CacheLayerMixin):
         return self.max_cache_len
 
     def reset(self) -> None:
-        self.length = 0
+        self.length = 0  # the indexer's keys too
 
     def crop(self, max_length: int) -> None:
         # Negative: drop that many tokens (transformers' convention); otherwise keep max_length.
@@ -102,6 +130,8 @@ class TargetCache(Cache):
                 # Advanced indexing gathers a copy first, so overlapping source and target are fine.
                 layer.keys[:, :, start + k : end] = layer.keys[:, :, src]
                 layer.values[:, :, start + k : end] = layer.values[:, :, src]
+                if layer.indexer_keys is not None:
+                    layer.indexer_keys[:, start + k : end] = layer.indexer_keys[:, src]
         self.truncate(start + len(rows))
 
     @property

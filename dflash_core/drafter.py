@@ -323,10 +323,11 @@ def init_weights(drafter: DFlashDrafter, std: float = 0.02, seed: int = 0) -> DF
 
 
 def load_drafter(spec: str | os.PathLike[str], device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32) -> DFlashDrafter:
-    """A drafter from a checkpoint folder or a Hugging Face id (drafter_io.resolve), in eval mode."""
+                 dtype: torch.dtype = torch.float32, target: Any = None) -> DFlashDrafter:
+    """A drafter from a checkpoint folder or a Hugging Face id (drafter_io.resolve), in eval mode;
+    `target` (a `Target`): the one it drafts for, which a transformers-native assistant needs."""
     folder = resolve(str(spec))
-    cfg = read_config(folder)
+    cfg = read_config(folder, target)
     with torch.device("meta"):
         drafter = DFlashDrafter(cfg)
     drafter.load_state_dict(read_weights(folder, drafter.state_dict()), assign=True)

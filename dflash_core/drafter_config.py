@@ -221,6 +221,27 @@ def _rope(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), {"rope_type": kind, **kept}
 
 
+# transformers-native DFlash assistants (their own layout: `encoder.fc`, `encoder.output_norm_enc`).
+ASSISTANT_TYPES = ("muse_glimmer_assistant",)
+_ASSISTANT_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                   "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_parameters", "max_position_embeddings",
+                   "layer_types", "bos_token_id", "eos_token_id")
+
+
+def zlab_from_assistant(full: dict[str, Any], vocab_size: int, num_target_layers: int) -> dict[str, Any]:
+    """A transformers-native assistant's config (every field, as its config class fills them in) in
+    the z-lab shape `DFlashConfig.from_dict` reads. Its layers attend bidirectionally, a sliding one
+    to keys at most `sliding_window` positions away (transformers' rule; z-lab's is "fewer than",
+    hence + 1). It names neither the vocabulary nor the target's depth: the target's are taken."""
+    d = {k: full[k] for k in _ASSISTANT_KEYS if k in full}
+    window = full.get("sliding_window")
+    return {**d, "architectures": ["DFlashDraftModel"], "vocab_size": vocab_size,
+            "num_target_layers": num_target_layers, "is_causal": False, "use_sliding_window": window is not None,
+            "sliding_window": None if window is None else int(window) + 1,
+            "dflash_config": {"block_size": full.get("block_size", 16), "mask_token_id": full["mask_token_id"],
+                              "target_layer_ids": full["target_layer_ids"]}}
+
+
 def check_fit(cfg: DFlashConfig, *, hidden_size: int, vocab_size: int, num_layers: int) -> None:
     """Refuse a drafter built for another target, naming both values."""
     problems = []

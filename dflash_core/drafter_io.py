@@ -5,16 +5,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from .corpus import FILE_NAME as CORPUS_FILE
 from .corpus import CorpusNgrams
-from .drafter_config import DFlashConfig
+from .drafter_config import ASSISTANT_TYPES, DFlashConfig, zlab_from_assistant
 from .errors import DFlashError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+ASSISTANT_RENAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
 # Optional: the token ids the drafter drafts from (a JSON list). Not a weight file, so engines that
 # know only the z-lab layout (vLLM, SGLang) ignore it and draft over the full vocabulary.
 DRAFT_VOCAB_NAME = "draft_vocab.json"
@@ -38,8 +40,10 @@ def resolve(spec: str) -> Path:
                           f"Hugging Face hub ({type(e).__name__}: {e})") from None
 
 
-def read_config(folder: Path) -> DFlashConfig:
-    """The folder's config.json, refused unless it describes a DFlash drafter."""
+def read_config(folder: Path, target: Any = None) -> DFlashConfig:
+    """The folder's config.json, refused unless it describes a DFlash drafter: the z-lab layout, or
+    a transformers-native assistant (`ASSISTANT_TYPES`), which needs its `target` (a `Target`) to
+    say the vocabulary and depth it was made for."""
     cfg_file = folder / CONFIG_NAME
     if not cfg_file.is_file():
         raise DFlashError(f"drafter folder {folder} has no {CONFIG_NAME}")
@@ -47,6 +51,14 @@ def read_config(folder: Path) -> DFlashConfig:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise DFlashError(f"{cfg_file} is not valid JSON: {e}") from None
+    if raw.get("model_type") in ASSISTANT_TYPES:
+        from transformers import AutoConfig
+
+        if target is None:
+            raise DFlashError(f"{cfg_file}: a transformers-native DFlash assistant ({raw['model_type']}) loads "
+                              "only with its target (it names neither the vocabulary nor the target's depth)")
+        full = AutoConfig.from_pretrained(folder).to_dict()
+        return DFlashConfig.from_dict(zlab_from_assistant(full, target.vocab_size, target.num_layers))
     if "DFlashDraftModel" not in (raw.get("architectures") or []):
         raise DFlashError(f"{cfg_file} is not a DFlash drafter (architectures = {raw.get('architectures')})")
     return DFlashConfig.from_dict(raw)
@@ -69,6 +81,8 @@ def read_weights(folder: Path, expected: dict[str, torch.Tensor]) -> dict[str, t
             raise DFlashError(f"drafter weights {shard} cannot be read ({e}): the file is damaged or "
                               "incomplete; download or copy it again") from None
     state = {k.removeprefix("model."): v for k, v in state.items()}
+    for old, new in ASSISTANT_RENAMES.items():  # a transformers-native assistant's names for fc, hidden_norm
+        state = {new + k.removeprefix(old) if k.startswith(old) else k: v for k, v in state.items()}
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
     if missing:
         raise DFlashError(f"drafter weights in {folder} lack {sorted(missing)[:5]} ({len(missing)} missing)")

@@ -37,6 +37,9 @@ def config_unsupported_reason(cfg: Any) -> str | None:
     """What in a model's config alone rules the fast forward out (None: nothing), known before
     the weights are loaded."""
     kind = getattr(cfg, "model_type", None)
+    if getattr(cfg, "kv_lora_rank", None):  # DeepSeek-V3/V3.2, Kimi-K2.5
+        return (f"model type {kind!r} has multi-head latent attention (MLA: a compressed latent cached per "
+                "token, keys and values expanded from it), which the fast forward does not implement")
     if kind not in SUPPORTED_TYPES:
         return f"model type {kind!r} (the fast forward covers {', '.join(SUPPORTED_TYPES)})"
     if getattr(cfg, "hidden_act", "silu") != "silu":

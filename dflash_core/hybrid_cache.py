@@ -26,12 +26,14 @@ RECORDS_STATES = hasattr(Cache, "get_recurrent_states_to_keep") and hasattr(cach
 LinearAttentionLayer: Any = getattr(cache_utils, "LinearAttentionLayer", object)
 
 # Layer kinds whose cache is keys/values by position: rollback moves a length. Sliding and chunked
-# layers keep every key here (the model's own mask applies the window); "dummy" layers keep nothing.
-ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "dummy"}
+# layers keep every key here (the model's own mask applies the window); "dummy" layers keep nothing;
+# "indexed_attention" (DeepSeek-V3.2) keeps its indexer's keys by position too.
+ATTENTION_KINDS = {"full_attention", "sliding_attention", "chunked_attention", "dummy", "indexed_attention"}
 RECURRENT_KINDS = {"linear_attention"}
 # Hybrid families whose linear layers are checked here to roll back exactly (tests/test_architectures.py).
 HYBRID_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-SUPPORTED_TARGETS = ("supported: attention-only models (Llama, Qwen2/3, Qwen3-MoE, gpt-oss, Gemma, ...) and the "
+SUPPORTED_TARGETS = ("supported: attention-only models (Llama, Qwen2/3, Qwen3-MoE, gpt-oss, Gemma, DeepSeek-V3/V3.2, "
+                     "Kimi-K2.5, Muse Glimmer, ...) and the "
                      f"hybrid Qwen3.5 / Qwen3.6 / Qwen3-Next ({', '.join(HYBRID_TYPES)}); "
                      "see the README's Supported targets")
 

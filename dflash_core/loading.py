@@ -35,7 +35,7 @@ def load(target: str | None = None, draft: str | None = None, device: str | None
         return Engine(tgt, None)
     spec = draft or default_drafter_for(target)
     if spec is not None:
-        engine = Engine(tgt, load_drafter(spec, device=tgt.device, dtype=tgt.dtype))
+        engine = Engine(tgt, load_drafter(spec, device=tgt.device, dtype=tgt.dtype, target=tgt))
         engine.drafter_name = spec
         return engine
     if target not in EMBEDDED_SPECS:

@@ -23,10 +23,11 @@ from .cache import TargetCache
 from .errors import DFlashError
 from .fast_forward import FastForward
 from .fast_forward_support import config_unsupported_reason, unsupported_reason
-from .hybrid_cache import SUPPORTED_TARGETS, HybridTargetCache, is_hybrid
-from .hybrid_cache import unsupported_reason as cache_unsupported_reason
+from .hybrid_cache import HybridTargetCache, is_hybrid
 from .step_graphs import MAX_TOKENS as GRAPH_MAX_TOKENS
 from .step_graphs import StepGraphs
+from .target_checks import config_refusal, probe_decoding, read_config
+from .text_side import TEXT_SIDES, load_text_side
 
 EMBEDDED = "embedded"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
@@ -281,7 +282,12 @@ class Target:
         return TargetCache(self.num_layers, max_len, value_ones=self.invariant)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model.get_input_embeddings()(ids)
+        """The drafter's token embeddings: the target's rows, without the normalisation a Muse
+        Glimmer embedding applies on top (`embed_norm`), as transformers' DFlash generator reads them."""
+        emb = self.model.get_input_embeddings()
+        if getattr(emb, "embed_norm", None) is not None:
+            return torch.nn.Embedding.forward(emb, ids)
+        return emb(ids)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.get_output_embeddings()(hidden)
@@ -373,8 +379,8 @@ def load_target(spec: str | None = None, device: str | None = None,
     except (OSError, ValueError) as e:
         raise DFlashError(f"could not load target {spec!r}: {str(e).splitlines()[0]}") from None
     config = read_config(path)  # None: the model load says what is wrong
-    if config is not None and (reason := cache_unsupported_reason(config)) is not None:
-        raise DFlashError(f"target {spec!r}: {reason}")  # before any weights load
+    if config is not None and (reason := config_refusal(config, spec)) is not None:
+        raise DFlashError(reason)  # before any weights load
     auto = dtype is None or dtype == "auto"
     cpu = torch.device(device).type == "cpu"
     if auto and cpu and torch_dtype == torch.bfloat16 and not batch_invariant_possible(config, fast):
@@ -385,7 +391,8 @@ def load_target(spec: str | None = None, device: str | None = None,
         if str(device).startswith("cuda") and torch.cuda.device_count() > 1:
             kwargs["device_map"] = "auto"  # accelerate spreads a large target over the GPUs
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+            vision_language = getattr(config, "model_type", None) in TEXT_SIDES  # its text side
+            model = (load_text_side if vision_language else AutoModelForCausalLM.from_pretrained)(path, **kwargs)
         except (OSError, ValueError, SafetensorError) as e:
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             bad = damaged_weights(Path(path)) if Path(path).is_dir() else None
@@ -409,46 +416,6 @@ def load_target(spec: str | None = None, device: str | None = None,
         target = build(torch.float32)
     probe_decoding(target, spec)
     return target
-
-
-# The probe's prompt length, and the relative logit gap it allows between a continued and a whole
-# pass: rounding in bf16 stays well under it, a forgotten context is far over it.
-PROBE_TOKENS = 8
-PROBE_TOLERANCE = 0.05
-
-
-def read_config(path: str) -> Any | None:
-    """The target's transformers config, read before its weights; None where it cannot be read."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(path)
-    except (OSError, ValueError):
-        return None
-
-
-def probe_decoding(target: Target, spec: str) -> None:
-    """A short pass continued through the engine's own cache, and rolled back, must give the
-    logits of one pass over the same tokens: a model that keeps a state its config does not
-    declare (so this cache does not hold it) is refused here, once, instead of failing or
-    decoding wrongly in the middle of a reply."""
-    ids = (torch.arange(PROBE_TOKENS, device=target.device)[None] * 7919 + 11) % target.vocab_size
-    kind = getattr(target.config, "model_type", "?")
-    try:
-        whole, _ = target.forward(ids, target.new_cache(2 * PROBE_TOKENS))
-        cache = target.new_cache(2 * PROBE_TOKENS, rollback=2)
-        target.forward(ids[:, :-2], cache)
-        target.forward(ids[:, -2:].flip(1), cache)  # two tokens, then rolled back
-        cache.truncate(PROBE_TOKENS - 2)
-        steps, _ = target.forward(ids[:, -2:], cache)
-    except (ValueError, TypeError, AttributeError, RuntimeError, NotImplementedError) as e:
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DFlashError(f"target {spec!r} (model type {kind!r}) cannot be decoded with this engine's cache "
-                          f"({first}); {SUPPORTED_TARGETS}") from None
-    gap = float((steps - whole[-2:]).abs().max() / whole[-2:].abs().max().clamp_min(1e-6))
-    if gap > PROBE_TOLERANCE:
-        raise DFlashError(f"target {spec!r} (model type {kind!r}) keeps a state this engine's cache does not "
-                          f"hold: continuing from the cache changes its logits by {gap:.0%}; {SUPPORTED_TARGETS}")
 
 
 def batch_invariant_possible(config: Any | None, fast: bool | None) -> bool:

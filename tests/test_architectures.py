@@ -1,7 +1,9 @@
 """Every family DFlash drafters are published for decodes exactly, on tiny random models built
 from transformers' own config classes: plain decoding through our loop equals transformers'
 greedy `generate`, and DFlash equals plain for every block size, step count and verify mode the
-target allows. Hybrid targets (Gated DeltaNet layers) also roll back to every accepted length."""
+target allows. Hybrid targets (Gated DeltaNet layers), MLA targets (DeepSeek-V3/V3.2: keys and
+values of different widths, V3.2's indexer keys) and Muse Glimmer's text side also roll back to
+every accepted length."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from tiny_targets import FAMILIES, HYBRID, tiny_target
+from tiny_targets import FAMILIES, FORCED_ROLLBACK, HYBRID, tiny_target
 
 from dflash_core.config import VERIFY_MODES, GenerationConfig
 from dflash_core.drafter import DFlashDrafter, init_weights
@@ -111,11 +113,11 @@ class ForcedEngine(Engine):
 
 
 @pytest.mark.parametrize("block", [4, 16])
-def test_hybrid_rolls_back_to_every_accepted_length(tiny: Target, block: int) -> None:
+def test_rolls_back_to_every_accepted_length(tiny: Target, block: int) -> None:
     """The rollback's real test: a verify pass cut back after each accepted length 0..B-1, on
     several prompts and a multi-turn chat, and every reply still equal to plain decoding."""
-    if not tiny.hybrid:
-        pytest.skip("attention-only: rollback is moving a length (test_lossless.py)")
+    if tiny.name.removeprefix("tiny-") not in FORCED_ROLLBACK:
+        pytest.skip("one keys/values pair per layer: rollback is moving a length (test_lossless.py)")
     todo = set(range(block))
 
     def corrupt(k: int, room: int) -> int:

@@ -38,3 +38,22 @@ def test_max_cache_len_where_transformers_has_a_read_only_one(monkeypatch: pytes
     assert cache.max_cache_len == 20
     fill(cache, 2)
     assert cache.length == 2
+
+
+def test_latent_keys_values_of_other_widths_and_indexer_keys_roll_back_together() -> None:
+    """DeepSeek-V3's MLA caches a 32-wide latent as keys and a 16-wide rotary key as values;
+    V3.2's indexer adds its own keys per position, after the layer's update in the same pass."""
+    cache = TargetCache(num_layers=1, max_cache_len=12)
+    g = torch.Generator().manual_seed(0)
+
+    def step(n: int) -> torch.Tensor:
+        cache.update(torch.randn(1, 1, n, 32, generator=g), torch.randn(1, 1, n, 16, generator=g), 0)
+        return cache.update_indexer(torch.randn(1, n, 8, generator=g), 0)
+
+    first = step(5).clone()
+    keys, values = cache.layers[0].keys, cache.layers[0].values
+    assert keys.shape[-1] == 32 and values.shape[-1] == 16 and first.shape == (1, 5, 8)
+    cache.truncate(3)  # a rollback: the indexer keys past it go too
+    again = step(2)
+    assert again.shape == (1, 5, 8) and torch.equal(again[:, :3], first[:, :3])
+    assert cache.length == cache.layers[0].indexer_length == 5 and cache.layers[0].keys is keys
