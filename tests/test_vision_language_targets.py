@@ -2,16 +2,19 @@
 meets them: tiny Kimi-K2.5 (a DeepSeek-V3 language model: MLA, routed experts) and Muse Glimmer
 folders in the hub's layout load as text targets and decode as the full model does; Muse Glimmer's
 own transformers-native DFlash assistant loads as the drafter and drafts exactly as transformers'
-DFlash generator does (raw embeddings, not the normalised ones); the CLI runs an MLA pair; what
-cannot be served is refused in one clean line."""
+DFlash generator does (raw embeddings, not the normalised ones); the CLI and the app run an MLA
+pair; what cannot be served is refused in one clean line."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import gradio_client
 import pytest
 import torch
+from conftest import serve_app
 from tiny_targets import MLA, SHAPE, widen
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 from transformers.cache_utils import DFlashCache
@@ -147,6 +150,25 @@ def test_cli_runs_an_mla_pair(capsys: pytest.CaptureFixture[str], kimi_pair: tup
     assert cli.main([*base, "--verify", "tree"]) == 0  # no fast forward: falls back to a chain
     out, _ = capsys.readouterr()
     assert out.splitlines()[0] == plain_out.splitlines()[0] and plain_out.strip()
+
+
+def test_the_app_serves_an_mla_pair(kimi_pair: tuple[Path, Path]) -> None:
+    """A visitor's reply through the app equals plain decoding on the Kimi-K2.5 (MLA) target."""
+    engine = dflash_core.load(str(kimi_pair[0]), str(kimi_pair[1]), device="cpu")
+    *_, plain = engine.generate(CHAT[0]["content"], GenerationConfig(max_new_tokens=16, block_size=4), plain=True)
+    assert isinstance(plain, Finished) and plain.text.strip()
+    with serve_app(engine) as url:
+        client = gradio_client.Client(url, verbose=False, analytics_enabled=False, download_files=False)
+        # textbox, block size, steps, temperature, top-p, max new tokens, seed, compare, verify length
+        final = client.submit(CHAT[0]["content"], 4, 1, 0.0, 1.0, 16, 0, True, "auto",
+                              api_name="/chat").result(timeout=600)
+    _, chat, spec, *_, stats = final
+    content = chat[-1]["content"]
+    text = content if isinstance(content, str) else "".join(p.get("text", "") for p in content)
+    assert text == plain.text.strip()  # gradio's chatbot trims a message's outer whitespace
+    assert "plain output identical ✓" in stats
+    assert 'class="tok tok-target' in spec
+    json.dumps(final)  # the whole update is plain data
 
 
 @pytest.mark.parametrize(("kind", "expected"), [
