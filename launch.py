@@ -2,6 +2,7 @@
 
     python launch.py [--target ID|PATH] [--draft ID|PATH|none] [--device cpu|cuda] [--dtype auto|bf16|fp32]
                      [--host 127.0.0.1] [--port 7860] [--share]
+    python launch.py --server URL [--host ...] [--port ...]   # watch a vLLM / SGLang DFlash server instead
 
 A target or drafter that cannot be loaded ends the program with one error line and exit code 2,
 before any server starts.
@@ -30,11 +31,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="address to listen on (0.0.0.0 for all interfaces; default: $GRADIO_SERVER_NAME or 127.0.0.1)")
     p.add_argument("--port", type=int, default=hosting.default_port(), help="default: $GRADIO_SERVER_PORT or 7860")
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="chat through an OpenAI-compatible DFlash server (vLLM, SGLang) and chart what it reports, "
+                        "instead of loading the engine here (docs/serving.md)")
     return p.parse_args(argv)
+
+
+def watch_server(args: argparse.Namespace) -> int:
+    """`--server URL`: no engine here, so no torch maths; a server that does not answer yet is said
+    once here and again in the app, which tries it on every Send."""
+    local = [f"--{k}" for k in ("target", "draft", "device", "dtype") if getattr(args, k) is not None]
+    if local:
+        print(f"error: with --server the server decides the model and device: drop {', '.join(local)}",
+              file=sys.stderr)
+        return 2
+    from app.server_mode import build_server_app
+    from app.ui import launch_kwargs
+    from dflash_core.errors import DFlashError
+    from dflash_core.server_client import ServerClient
+
+    try:
+        client = ServerClient(args.server)
+        info = client.info()
+        print(f"[dflash] watching {info.model} at {client.url} "
+              f"({'speculative decoding' if info.speculative else 'no speculation reported'})", flush=True)
+    except DFlashError as e:
+        if not args.server.strip():
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"[dflash] warning: {e}", flush=True)
+    demo = build_server_app(client)
+    demo.launch(server_name=args.host, server_port=args.port, share=args.share, **launch_kwargs())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.server is not None:
+        return watch_server(args)
     # Before torch: ZeroGPU's `spaces` must be imported before CUDA is touched.
     gpu = hosting.gpu_decorator()
     print("[dflash] loading the engine (torch, target, drafter) ...", flush=True)

@@ -5,7 +5,8 @@ another machine, from a JSON that came back from a GPU run:
 
     python -m app.bench_report bench/results.json --html bench/report.html [--readme README.md]
 
-`dflash_core` imports this module only for `bench --html` (`__main__.html_writer`): the engine needs no plotly.
+`bench --html` runs this module in a process of its own (`dflash_core.bench.html_renderer`) on the JSON it
+has just written: the engine imports neither the app nor plotly.
 """
 
 from __future__ import annotations

@@ -135,6 +135,8 @@ def step_html(result: StepResult | None, session: Session) -> str:
                      f"{checked}.</p>")
         parts.append('<table class="step-table"><tr><th>position</th>' + "".join(heads) + "</tr>"
                      + _row("draft", drafts) + _row("verdict", verdicts) + _row("target", targets) + "</table>")
+        if ev.selector:
+            parts.append(selector_table(ev))
         committed = " ".join(_tok(t, ACCEPTED if j < ev.accepted else TARGET) for j, t in enumerate(ev.committed_text))
         k = len(ev.committed)
         # The reply can end inside a block (EOS, max new tokens): then fewer tokens are kept.
@@ -146,3 +148,28 @@ def step_html(result: StepResult | None, session: Session) -> str:
         parts.append(f"<p><b>Finished ({fin.reason})</b>: {len(fin.token_ids)} tokens in {fin.blocks} blocks, "
                      f"τ = {fin.tau:.2f}. Type a new prompt to step again.</p>")
     return f'<div class="step-panel">{"".join(parts)}</div>'
+
+
+SHOWN_CANDIDATES = 3
+
+
+def selector_table(ev: BlockEvent) -> str:
+    """DFlash 2: each position's best candidates by the selector's score (given what it chose
+    before), the chosen one marked; its first choice is the draft token above."""
+    assert ev.selector is not None
+    rows = []
+    for r in range(SHOWN_CANDIDATES):
+        cells = []
+        for choice in ev.selector:
+            if r >= len(choice.tokens):
+                cells.append("<td></td>")
+                continue
+            mark = "✔ " if r == choice.chosen else ""
+            cls = "tok-candidate" if r == choice.chosen else f"tok-candidate {DISCARDED}"
+            cells.append(f"<td>{_tok(choice.texts[r], cls, f'{mark}selector probability {choice.probs[r]:.2f}')}"
+                         f"<br><small>{choice.probs[r]:.2f}</small></td>")
+        rows.append(_row(f"choice {r + 1}", cells))
+    return ("<p>DFlash 2: at each position the <b>candidate selector</b> rescored the drafter's top "
+            f"{len(ev.selector[0].tokens)} tokens knowing the token it had just chosen before (left to right) "
+            "and took the best: its candidates, best first:</p><table class=\"step-table\">"
+            + "".join(rows) + "</table>")

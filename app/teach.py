@@ -311,7 +311,31 @@ def reply_page(session: Session | None) -> str:
     if not own:
         return "## How it works\n\n" + BEFORE_REPLY
     assert session is not None
-    return "## How it works\n\n" + own + "\n\n" + tree_markdown(session.events, session.greedy)
+    return ("## How it works\n\n" + own + selector_markdown(session.events) + "\n\n"
+            + tree_markdown(session.events, session.greedy))
+
+
+def selector_markdown(events: Sequence[BlockEvent]) -> str:
+    """DFlash 2 drafters: the candidate selector, on the visitor's drafted block that kept most."""
+    blocks = [ev for ev in events if ev.selector]
+    if not blocks:
+        return ""
+    ev = max(blocks, key=lambda e: (e.accepted, -e.index))
+    steps = []
+    for i, choice in enumerate(ev.selector[:3]):  # type: ignore[index]
+        options = ", ".join(f"{chip(t, 'tok-candidate')} {p:.2f}" for t, p in
+                            list(zip(choice.texts, choice.probs, strict=True))[:3])
+        before = "the anchor" if i == 0 else f"its choice at position {i}"
+        picked = choice.texts[choice.chosen] if 0 <= choice.chosen < len(choice.texts) else "?"
+        steps.append(f"- position {i + 1}, after {before}: {options} → chose **{chip(picked, 'tok-candidate')}**")
+    return (f"\n\n### The candidate selector (DFlash 2), on your block {ev.index}\n\n"
+            "A DFlash 2 drafter still predicts every position of the block in one parallel pass, but it does "
+            "not simply take each position's likeliest token: those guesses are made side by side, blind to "
+            "one another, so they can clash (\"of of\", \"the a\"). Its selector walks the block left to "
+            "right instead, rescoring each position's top candidates with a small learnt term that pairs "
+            "the token it just chose with each candidate, and keeps the best. On your block:\n\n"
+            + "\n".join(steps) + "\n\nThe numbers are the selector's probabilities; the target then "
+            "verifies the chosen path exactly as before, so the reply is unchanged.")
 
 
 def explain(session: Session | None) -> str:

@@ -1,4 +1,5 @@
-"""`python -m dflash_core` / `dflash`: generate text, benchmark DFlash against plain decoding, train a drafter.
+"""`python -m dflash_core` / `dflash`: generate text, benchmark DFlash against plain decoding, train a drafter,
+export one to another layout.
 
 Each subcommand is an `add_<name>(subparsers)` function that registers its parser and sets
 `func`; adding one (e.g. `train`) is one such function plus a line in `COMMANDS`.
@@ -222,18 +223,6 @@ def default_report_path(prompt_set: str) -> Path:
     return Path(f"bench-{Path(prompt_set).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json")
 
 
-def html_writer() -> Callable[..., Path]:
-    """The HTML report's writer, imported only for --html: the engine itself needs neither plotly
-    nor the app's package."""
-    try:
-        from app.bench_report import write_html
-    except ImportError as e:
-        need = ("plotly (pip install plotly)" if (e.name or "").startswith("plotly")
-                else "DFlash Studio's app/ package on the Python path (run from the repository root)")
-        raise DFlashError(f"--html needs {need}: {e}") from None
-    return write_html
-
-
 def _shown_path(spec: str) -> str:
     """A drafter folder inside the working directory as a relative path: reports name no home folder."""
     try:
@@ -263,10 +252,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             bench.check_writable(path)
     if args.readme:
         bench_stats.check_readme(args.readme, bench_stats.region_name(args.prompts, args.temperature))
-    write_html = html_writer() if args.html else None
+    html = bench.html_renderer() if args.html else None
+    server = None
+    if args.server:  # before the engine loads: a dead URL costs seconds, not a model load
+        from .server_bench import open_server, server_method
+
+        server = open_server(args.server)
     engine = load_engine(args)
     assert engine.drafter is not None
     methods = bench.make_methods(engine, [s.name for s in specs], config)
+    if server is not None:
+        methods.append(server_method(server, engine))
     results = bench.run_methods(prompts, methods, config, warmup=args.warmup, progress=not args.no_progress)
     summary, per_prompt = bench.summarize(prompts, results, methods, primary=dflash[0])
     primary = next(m for m in methods if m.name == dflash[0])
@@ -285,11 +281,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "device": str(engine.target.device),
         "dtype": str(engine.target.dtype).removeprefix("torch."),
         "command": bench_command(args),
+        **({"server": server.url, "server_model": server.info().model} if server is not None else {}),
         **bench.environment(engine),
     })
     written = [bench.write_report(out, summary, per_prompt)]
-    if write_html is not None:
-        written.append(write_html(args.html, summary, per_prompt))
+    if html is not None:
+        written.append(html.render(out, args.html))
     if args.readme:
         written.append(bench_stats.write_readme(args.readme, summary))
     print(bench.format_table(summary))
@@ -323,15 +320,21 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="where to write the JSON report (default: bench-SET-YYYYmmdd-HHMMSS.json in the current "
                         "folder, SET the prompt set's name; never overwrites an earlier run's)")
     p.add_argument("--html", default=None, metavar="R.html",
-                   help="also write a self-contained HTML report with charts (opens offline; needs plotly and "
-                        "the app/ folder) (default: none)")
+                   help="also write a self-contained HTML report with charts (opens offline; rendered from the "
+                        "JSON report by `python -m app.bench_report`, so it needs plotly and the app/ folder) "
+                        "(default: none)")
     p.add_argument("--readme", default=None, metavar="README.md",
                    help="rewrite the results table between <!-- bench:start --> and <!-- bench:end --> there "
                         "(default: none)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed warm-up rounds per method")
     p.add_argument("--methods", default="plain,dflash", metavar="A,B,...",
                    help=f"comma list from {METHOD_HELP}; the first is the baseline for speed-ups and exact "
-                        "matches (all = plain, hf-generate, prompt-lookup, dflash-b4/b8/b16 with 1 and 2 steps)")
+                        "matches (all = plain, hf-generate, prompt-lookup, hf-dflash, dflash-b4/b8/b16 with 1 "
+                        "and 2 steps)")
+    p.add_argument("--server", default=None, metavar="URL",
+                   help="also run the prompts through an OpenAI-compatible DFlash server (vLLM, SGLang) as the "
+                        "method 'server': its tok/s timed here, its tau from its own counters (docs/serving.md) "
+                        "(default: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 
@@ -356,9 +359,46 @@ def add_train(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_train)
 
 
+# ----- export -----
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .drafter import load_drafter
+    from .export import check_out, export_drafter
+    from .targets import load_target
+
+    check_out(args.out)  # before anything loads
+    # Only a transformers assistant needs its target (it names neither vocabulary nor depth).
+    target = load_target(args.target, device="cpu") if args.target else None
+    drafter = load_drafter(args.draft, target=target)
+    dtype = args.dtype or str(drafter.config.extra.get("dtype") or "bfloat16")
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise DFlashError(f"--dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    for note in export_drafter(drafter, args.out, args.to, getattr(torch, dtype)):
+        print(f"note: {note}", file=sys.stderr)
+    print(f"wrote {args.out} ({args.to} layout, {dtype})", file=sys.stderr)
+    return 0
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    from .export import FORMATS
+
+    p = sub.add_parser("export", formatter_class=HelpFormatter,
+                       help="write a drafter in another checkpoint layout",
+                       description="Write a drafter folder in transformers' DFlash assistant layout (AutoModel "
+                                   "loads it; generate(assistant_model=..., speculation_type='dflash') runs it) "
+                                   "or in the z-lab layout (DFlash 1 or 2, as the drafter is).")
+    p.add_argument("--draft", required=True, metavar="ID|PATH", help="the drafter: a folder or a hub id")
+    p.add_argument("--to", required=True, choices=FORMATS, help="the layout to write")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new (or empty) folder to write")
+    p.add_argument("--target", default=None, metavar="ID|PATH",
+                   help="the drafter's target, needed only to read a transformers assistant (default: none)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the drafter's own)")
+    p.set_defaults(func=cmd_export)
+
+
 # ----- entry point -----
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench, add_train]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_generate, add_bench, add_train, add_export]
 
 
 def build_parser() -> argparse.ArgumentParser:

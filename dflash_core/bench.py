@@ -9,9 +9,12 @@ Method names, statistics and tables live in `bench_stats` (pure, no model); this
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+from transformers.generation.streamers import BaseStreamer
 
 from .bench_stats import (  # noqa: F401  (re-exported: the runner's callers read them from here)
     ALL_METHODS,
@@ -47,7 +51,7 @@ PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_
 class Method:
     name: str
     run: Callable[[Turns, GenerationConfig], RunResult]
-    kind: str = "custom"  # plain, dflash, hf-generate, prompt-lookup: what the statistics may assume
+    kind: str = "custom"  # plain, dflash, hf-generate, prompt-lookup, hf-dflash: what the statistics may assume
     block_size: int | None = None  # DFlash: the block size it runs with (sizes the τ histogram)
     steps: int | None = None
     verify: str | None = None  # DFlash: full or adaptive (the verify length it runs with on this device)
@@ -90,16 +94,48 @@ def engine_method(engine: Engine, name: str, *, plain: bool, block_size: int | N
                   steps=None if plain else pinned.get("steps"))
 
 
-def hf_generate_method(engine: Engine, name: str, *, prompt_lookup: int = 0) -> Method:
-    """transformers' own `generate` on the same target: plain, or prompt-lookup decoding
-    (`prompt_lookup_num_tokens`), the peers DFlash has to beat. Stop strings are not applied."""
+class _Commits(BaseStreamer):
+    """What transformers' `generate` commits per target forward: it hands its streamer the prompt,
+    then each forward's new tokens (the prefill's one, then each block's accepted drafts + 1)."""
+
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.counts.append(value.numel())
+
+    def end(self) -> None:
+        pass
+
+    def accepted(self, new_tokens: int) -> list[int]:
+        """Accepted drafts per block after the prefill, checked against the reply's length."""
+        if len(self.counts) < 2 or sum(self.counts[1:]) != new_tokens:
+            raise RuntimeError(f"transformers' generate streamed {self.counts[1:]} tokens for a reply of {new_tokens}")
+        return [n - 1 for n in self.counts[2:]]
+
+
+def hf_generate_method(engine: Engine, name: str, *, prompt_lookup: int = 0, block_size: int | None = None,
+                       dflash: bool = False) -> Method:
+    """transformers' own `generate` on the same target: plain, prompt-lookup decoding
+    (`prompt_lookup_num_tokens`), or its native DFlash with the same drafter (`dflash`: the drafter as
+    its assistant, `speculation_type="dflash"`, blocks of `block_size`), the peers DFlash has to beat.
+    Stop strings are not applied."""
     target = engine.target
+    assistant = None
+    if dflash:
+        from .export import to_transformers_assistant
+
+        assert engine.drafter is not None
+        try:
+            assistant = to_transformers_assistant(engine.drafter, dtype=target.dtype, device=target.device)
+        except DFlashError as e:
+            raise DFlashError(f"bench method {name!r}: {e}") from None
+        # transformers' generator takes its block size from the assistant's config: the run's, as ours do.
+        assistant.config.block_size = block_size or engine.drafter.block_size
 
     def run(turns: Turns, config: GenerationConfig) -> RunResult:
         messages: list[dict[str, str]] = []
-        ids: list[int] = []
-        replies: list[str] = []
-        seconds = 0.0
+        result = RunResult(ids=[], seconds=0.0)
         eos = sorted(target.eos_ids)
         sampling = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
         if not config.greedy:
@@ -109,21 +145,31 @@ def hf_generate_method(engine: Engine, name: str, *, prompt_lookup: int = 0) -> 
         for turn in turns:
             messages.append({"role": "user", "content": turn})
             prompt = torch.tensor([engine.prompt_ids(messages)], device=target.device)
-            extra = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+            extra: dict[str, Any] = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+            commits = _Commits()
+            if assistant is not None:  # its generator wants the positions passed (a Llama target's too)
+                extra = {"assistant_model": assistant, "speculation_type": "dflash", "streamer": commits,
+                         "position_ids": torch.arange(prompt.shape[1], device=target.device)[None]}
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = target.model.generate(prompt, attention_mask=torch.ones_like(prompt),
                                             max_new_tokens=config.max_new_tokens, eos_token_id=eos,
                                             pad_token_id=eos[0] if eos else None, **sampling, **extra)
-            seconds += time.perf_counter() - t0
+            result.seconds += time.perf_counter() - t0
             new = out[0, prompt.shape[1]:].tolist()
-            ids.extend(new)
+            if assistant is not None:
+                result.accepted.extend(commits.accepted(len(new)))
+            result.ids.extend(new)
             reply = target.decode(new)
-            replies.append(reply)
+            result.replies.append(reply)
             messages.append({"role": "assistant", "content": reply})
-        return RunResult(ids=ids, seconds=seconds, replies=replies)
+        if assistant is not None:
+            result.blocks, result.tau = len(result.accepted), tau(result.accepted)
+        return result
 
-    return Method(name=name, run=run, kind="prompt-lookup" if prompt_lookup else "hf-generate")
+    kind = "hf-dflash" if dflash else "prompt-lookup" if prompt_lookup else "hf-generate"
+    return Method(name=name, run=run, kind=kind, block_size=assistant.config.block_size if assistant else None,
+                  steps=1 if assistant else None, verify="full" if assistant else None)
 
 
 def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"),
@@ -131,7 +177,7 @@ def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"
     """Methods by name (see `bench_stats.parse_methods`); the first is the baseline. `config`
     resolves what the plain `dflash` method runs with, for the report."""
     specs = parse_methods(names)
-    if engine.drafter is None and any(s.kind == "dflash" for s in specs):
+    if engine.drafter is None and any(s.kind in ("dflash", "hf-dflash") for s in specs):
         raise DFlashError("DFlash bench methods need a drafter; drop --draft none")
     methods = []
     for s in specs:
@@ -151,7 +197,9 @@ def make_methods(engine: Engine, names: str | Sequence[str] = ("plain", "dflash"
             methods.append(m)
         else:
             lookup = PROMPT_LOOKUP_TOKENS if s.kind == "prompt-lookup" else 0
-            methods.append(hf_generate_method(engine, s.name, prompt_lookup=lookup))
+            block = (config or GenerationConfig()).block_size
+            methods.append(hf_generate_method(engine, s.name, prompt_lookup=lookup, block_size=block,
+                                              dflash=s.kind == "hf-dflash"))
     return methods
 
 
@@ -219,6 +267,42 @@ def _report_json(summary: dict[str, Any], per_prompt: list[dict[str, Any]]) -> s
 
 def write_report(path: str | Path, summary: dict[str, Any], per_prompt: list[dict[str, Any]]) -> Path:
     return write_text_atomic(path, _report_json(summary, per_prompt))
+
+
+# The app renders the HTML report (plotly, the app's chart look) in a process of its own: the engine
+# names the module but imports neither it nor plotly, so it stays usable without either.
+HTML_RENDERER = "app.bench_report"
+
+
+@dataclass(frozen=True)
+class HtmlRenderer:
+    """`python -m app.bench_report` with a Python path that finds the app, as found before a run."""
+
+    command: tuple[str, ...]
+    env: dict[str, str]
+
+    def render(self, report: str | Path, html: str | Path) -> Path:
+        """The HTML report of a JSON report `bench` wrote."""
+        done = subprocess.run([*self.command, str(report), "--html", str(html)], env=self.env,
+                              capture_output=True, text=True)
+        if done.returncode:
+            why = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+            raise DFlashError(f"--html: rendering {report} failed ({why}); the JSON report is complete")
+        return Path(html)
+
+
+def html_renderer() -> HtmlRenderer:
+    """The HTML report's renderer, checked before an hour of benchmarking: found without importing it."""
+    app = importlib.util.find_spec(HTML_RENDERER.split(".")[0])
+    homes = [Path(p) for p in (app.submodule_search_locations or [])] if app else []
+    home = next((h for h in homes if (h / "bench_report.py").is_file()), None)
+    if home is None:
+        raise DFlashError("--html needs DFlash Studio's app/ package on the Python path (run from the repository "
+                          "root)")
+    if importlib.util.find_spec("plotly") is None:
+        raise DFlashError("--html needs plotly (pip install plotly)")
+    path = [str(home.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return HtmlRenderer((sys.executable, "-m", HTML_RENDERER), {**os.environ, "PYTHONPATH": os.pathsep.join(path)})
 
 
 def check_writable(path: str | Path) -> None:

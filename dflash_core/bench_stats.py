@@ -55,7 +55,7 @@ class MethodSpec:
     """A parsed method name. `block_size`/`steps` None: the run's --block-size / --steps."""
 
     name: str
-    kind: str  # plain, dflash, hf-generate, prompt-lookup
+    kind: str  # plain, dflash, or one of PEER_KINDS
     block_size: int | None = None
     steps: int | None = None
     verify: str | None = None  # full / adaptive / tree / tree-full; None: the run's --verify
@@ -67,13 +67,18 @@ FIXED_METHODS = {
     "dflash": MethodSpec("dflash", "dflash"),
     "hf-generate": MethodSpec("hf-generate", "hf-generate"),
     "prompt-lookup": MethodSpec("prompt-lookup", "prompt-lookup"),
+    "hf-dflash": MethodSpec("hf-dflash", "hf-dflash"),
 }
-ALL_METHODS = ("plain", "hf-generate", "prompt-lookup", "dflash-b4", "dflash-b8", "dflash-b16",
+# transformers' own decoding on the same target: its forward may round differently from ours (in
+# bf16 it is not batch-invariant), so their exact counts are information, not our promise.
+PEER_KINDS = ("hf-generate", "prompt-lookup", "hf-dflash", "server")
+ALL_METHODS = ("plain", "hf-generate", "prompt-lookup", "hf-dflash", "dflash-b4", "dflash-b8", "dflash-b16",
                "dflash-b4-full", "dflash-b16-full", "dflash-b4-s2", "dflash-b8-s2", "dflash-b16-s2")
 _FAMILY = re.compile(r"dflash-b([1-9]\d*)(?:-s([1-9]\d*))?(?:-(full|adaptive|tree|tree-full))?(-lookup)?")
 METHOD_HELP = ("plain, dflash (the run's --block-size/--steps/--verify), dflash-bN, dflash-bN-sK (block size N, "
                "K denoising steps), either with -full, -adaptive, -tree or -tree-full (see --verify; a tree with "
-               "-lookup adds prompt-lookup candidates), hf-generate, prompt-lookup, or all")
+               "-lookup adds prompt-lookup candidates), hf-generate, prompt-lookup, hf-dflash (transformers' own "
+               "DFlash with the same drafter, the run's --block-size), or all")
 
 
 def parse_method(name: str) -> MethodSpec:
@@ -200,7 +205,7 @@ def summarize(prompts: Sequence[Turns], results: Sequence[dict[str, RunResult]],
     (the first DFlash method) also gets the top-level `mean_tau` and `speedup`."""
     names = [m.name for m in methods]
     base = names[0]
-    ours = [m.name for m in methods if m.kind not in ("hf-generate", "prompt-lookup")]
+    ours = [m.name for m in methods if m.kind not in PEER_KINDS]
     per_prompt = []
     for turns, res in zip(prompts, results, strict=True):
         row: dict[str, Any] = {"prompt": turns[0][:PROMPT_PREVIEW_CHARS], "turns": len(turns)}
@@ -213,8 +218,6 @@ def summarize(prompts: Sequence[Turns], results: Sequence[dict[str, RunResult]],
             row[f"{n}_tokens"] = len(res[n].ids)
             if n != primary and res[n].tau is not None:
                 row[f"{n}_tau"] = res[n].tau
-        # The exactness promise is our engine's: transformers' own forward may round differently
-        # (in bf16 it is not batch-invariant), so its rows' exact counts are information only.
         row["match"] = all(res[n].ids == res[base].ids for n in ours)
         per_prompt.append(row)
 
@@ -254,6 +257,16 @@ def row_cells(s: dict[str, Any], prompts: int) -> list[str]:
 TABLE_HEAD = ["tok/s", "med tok/s", "tau", "speed-up", "draft ms", "verify ms", "bound", "achieved", "exact"]
 
 
+HF_DFLASH_LEGEND = (
+    "hf-dflash: transformers' own DFlash (generate(assistant_model=…, speculation_type=\"dflash\")) with the same "
+    "drafter in its assistant layout: blocks of B, every draft verified, drafted over the whole vocabulary (a draft "
+    "vocabulary is not part of that layout); tau from the tokens each of its target forwards committed")
+
+
+DOCS_LEGEND = ("columns, method names (`-full`, `-adaptive`, `-tree`, `-lookup`, `hf-dflash`) and `bound`: "
+               "[docs/benchmarks.md](docs/benchmarks.md#what-the-columns-mean)")
+
+
 def legend(summary: dict[str, Any]) -> list[str]:
     base = summary["baseline"]
     return [
@@ -266,6 +279,7 @@ def legend(summary: dict[str, Any]) -> list[str]:
         "-tree-full: a tree of B−1 candidates per block (the drafter's likeliest alternatives too); -tree: as many "
         "candidates as pay on this machine; -lookup: lookup guesses in the tree too (prompt lookup, and the "
         "drafter's n-gram table where it ships one)",
+        *([HF_DFLASH_LEGEND] if any(s["kind"] == "hf-dflash" for s in summary.get("per_method", {}).values()) else []),
         "bound = tau·t1/(t_verify+t_draft); achieved = speed-up vs plain / bound (below 100%: host overhead "
         "and prefill; above: the same overhead weighs more on plain's shorter steps)",
         f"exact = prompts whose token ids equal {base}'s" + (
@@ -329,7 +343,8 @@ def markdown_table(summary: dict[str, Any]) -> str:
     ]
     for n in names:
         lines.append(f"| `{n}` | " + " | ".join(row_cells(summary["per_method"][n], n_prompts)) + " |")
-    lines += ["", *(f"- {line}" for line in legend(summary))]
+    # The README keeps one line of legend per table; the columns are explained once, in the docs.
+    lines += ["", f"- {DOCS_LEGEND}", f"- {legend(summary)[-1]}"]
     return "\n".join(lines)
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from .cache import DraftCache
 from .config import MAX_BLOCK_SIZE
 from .corpus import CorpusNgrams, load_corpus
+from .dflash2 import CandidateSelector, DynamicConv
 from .drafter_config import DFlashConfig
 from .drafter_io import DRAFT_VOCAB_NAME, load_draft_vocab, read_config, read_weights, resolve, write_checkpoint
 from .errors import DFlashError
@@ -87,6 +88,25 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DraftMLP(cfg)
+        self.attention_conv = self.mlp_conv = None
+        if cfg.version == 2:
+            self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+
+
+def conv_in(conv: DynamicConv | None, x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """DFlash 2's convolution of a sublayer's input x [..., N, H], N a run of blocks of `block`
+    positions each convolved on its own, and the kernel for its output (DFlash 1: x, None)."""
+    if conv is None:
+        return x, None
+    out, kernel = conv.prepare(x.reshape(-1, block, x.shape[-1]))
+    return out.reshape(x.shape), kernel
+
+
+def conv_out(conv: DynamicConv | None, y: torch.Tensor, kernel: torch.Tensor | None, block: int) -> torch.Tensor:
+    if conv is None or kernel is None:
+        return y
+    return conv.finish(y.reshape(-1, block, y.shape[-1]), kernel).reshape(y.shape)
 
 
 class DFlashDrafter(nn.Module):
@@ -100,6 +120,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.candidate_selector = None
+        if cfg.version == 2:
+            self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.selector_top_k,
+                                                        cfg.selector_rank)
         # Token ids to draft from (sorted), or None for the whole vocabulary. Drafting only among
         # the tokens the drafter was trained to predict makes the LM head, most of a CPU draft
         # step, several times cheaper; verification keeps the output exact either way.
@@ -127,6 +151,15 @@ class DFlashDrafter(nn.Module):
     @property
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
+
+    def shape_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The checkpoint's own scaling and soft cap of its LM-head logits (z-lab's order)."""
+        c = self.config
+        if c.output_multiplier != 1.0:
+            logits = logits * c.output_multiplier
+        if c.final_logit_softcapping is not None:
+            logits = torch.tanh(logits / c.final_logit_softcapping) * c.final_logit_softcapping
+        return logits
 
     def new_cache(self, max_len: int) -> DraftCache:
         p = self.fc.weight
@@ -228,10 +261,10 @@ class DFlashDrafter(nn.Module):
         ctx = None
         if new_context is not None and n_new:
             ctx = self.hidden_norm(fused["fc"](new_context[0].to(block_embeds.dtype)))
-        h = block_embeds[0]
+        h = block_embeds[0] * cfg.input_embedding_scale if cfg.input_embedding_scale != 1.0 else block_embeds[0]
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            x, kernel = conv_in(layer.attention_conv, layer.input_layernorm(h), bsz)
             rows = x if ctx is None else torch.cat([ctx, x])
             q, k, v = fused[f"qkv{i}"](rows).split((nh * hd, nkv * hd, nkv * hd), -1)
             q = apply_rope(attn.q_norm(q[n_new:].view(bsz, nh, hd)).transpose(0, 1), cos[n_new:], sin[n_new:])
@@ -240,9 +273,10 @@ class DFlashDrafter(nn.Module):
             lo, mask = visible[kinds[i]]
             keys, values = cache.view(i, lo, block_start + bsz)
             out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=nkv != nh)[0]
-            h = h + attn.o_proj(out.transpose(0, 1).reshape(bsz, nh * hd))
-            gate, up = fused[f"gate_up{i}"](layer.post_attention_layernorm(h)).chunk(2, -1)
-            h = h + layer.mlp.down_proj(F.silu(gate) * up)
+            h = h + conv_out(layer.attention_conv, attn.o_proj(out.transpose(0, 1).reshape(bsz, nh * hd)), kernel, bsz)
+            x, kernel = conv_in(layer.mlp_conv, layer.post_attention_layernorm(h), bsz)
+            gate, up = fused[f"gate_up{i}"](x).chunk(2, -1)
+            h = h + conv_out(layer.mlp_conv, layer.mlp.down_proj(F.silu(gate) * up), kernel, bsz)
         cache.length = block_start
         return self.norm(h)[None]
 
@@ -252,15 +286,19 @@ class DFlashDrafter(nn.Module):
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
         mask: torch.Tensor,
+        block_size: int | None = None,
     ) -> torch.Tensor:
         """Many blocks of one or more sequences in one pass (training).
 
         context: [b, T, len(layer_ids)*H] target features at positions 0..T-1;
         block_embeds: [b, N, H] all blocks laid end to end; block_positions: [N] or [b, N];
         mask: bool [b or 1, 1, N, T + N], True where a block query may attend; sliding layers
-        (config.layer_types) narrow it further by position, as `step` does.
+        (config.layer_types) narrow it further by position, as `step` does; `block_size`: the
+        blocks' length (the config's by default), which DFlash 2's convolutions stay within.
         """
-        dtype = block_embeds.dtype
+        dtype, block = block_embeds.dtype, block_size or self.config.block_size
+        if self.config.input_embedding_scale != 1.0:
+            block_embeds = block_embeds * self.config.input_embedding_scale
         T = context.shape[1]
         ctx = self.hidden_norm(self.fc(context.to(dtype)))
         cos_c, sin_c = self._rope(torch.arange(T, device=context.device), dtype)
@@ -279,11 +317,13 @@ class DFlashDrafter(nn.Module):
                 layer_masks[kind] = mask if narrowed is None else mask & narrowed[:, None]
             attn = layer.self_attn
             k_c, v_c = attn.project_kv(ctx, cos_c, sin_c)
-            x = layer.input_layernorm(h)
+            x, kernel = conv_in(layer.attention_conv, layer.input_layernorm(h), block)
             k_b, v_b = attn.project_kv(x, cos_b, sin_b)
             k, v = torch.cat([k_c, k_b], dim=2), torch.cat([v_c, v_b], dim=2)
-            h = h + attn.attend(attn.project_q(x, cos_b, sin_b), k, v, layer_masks[kind])
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            out = attn.attend(attn.project_q(x, cos_b, sin_b), k, v, layer_masks[kind])
+            h = h + conv_out(layer.attention_conv, out, kernel, block)
+            x, kernel = conv_in(layer.mlp_conv, layer.post_attention_layernorm(h), block)
+            h = h + conv_out(layer.mlp_conv, layer.mlp(x), kernel, block)
         return self.norm(h)
 
     def save(self, folder: str | os.PathLike[str], dtype: torch.dtype = torch.bfloat16) -> None:

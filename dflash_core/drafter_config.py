@@ -13,6 +13,19 @@ from .errors import DFlashError
 from .layers import ROPE_TYPES
 
 _REQUIRED = object()  # `take`'s default: the field must be present
+V1_FIELDS: dict[str, float | None] = {"output_multiplier": 1.0, "final_logit_softcapping": None,
+                                      "input_embedding_scale": 1.0}
+V2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank")
+ARCHITECTURES = {1: "DFlashDraftModel", 2: "DFlash2DraftModel"}
+# Fields a drafter's config.json may carry that change nothing here (transformers' bookkeeping,
+# settings fixed in this architecture, or read elsewhere): anything else is named at load.
+HARMLESS_FIELDS = frozenset({
+    "architectures", "model_type", "attention_dropout", "hidden_act", "tie_word_embeddings", "use_cache",
+    "dtype", "torch_dtype", "transformers_version", "initializer_range", "max_window_layers", "auto_map",
+    "pad_token_id", "sliding_window", "_name_or_path", "mlp_bias", "num_target_layers", "layer_types",
+    "use_sliding_window", "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder",
+    "chunk_size_feed_forward", "problem_type", "id2label", "label2id", "tokenizer_class", "task_specific_params",
+    "quantization_config"})
 FULL, SLIDING = "full_attention", "sliding_attention"
 # RoPE parameters a scaled type reads (transformers' names); rope_theta is kept apart.
 _ROPE_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
@@ -56,6 +69,18 @@ class DFlashConfig:
     sliding_window: int | None = None
     is_causal: bool | None = None  # the checkpoint's explicit causality, for every layer; None: as above
     rope_scaling: dict[str, Any] | None = None  # {"rope_type": "linear" | "yarn", ...}; None: plain RoPE
+    # Applied as z-lab's package applies them: logits times the multiplier, then soft-capped;
+    # the block's embeddings times the scale (1, None, 1: off).
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+    # DFlash 2 (z-lab's DFlash2DraftModel; all None for DFlash 1): a grouped dynamic causal
+    # convolution around each layer's attention and MLP, and a candidate selector that walks
+    # the block choosing among each position's top-k logits (drafter.py).
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_top_k: int | None = None
+    selector_rank: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # other fields, kept for round trips
     dflash_extra: dict[str, Any] = field(default_factory=dict)  # other dflash_config fields, likewise
 
@@ -73,6 +98,28 @@ class DFlashConfig:
         if SLIDING in self.layer_types and (not isinstance(self.sliding_window, int) or self.sliding_window < 1):
             raise DFlashError(f"drafter config.json: sliding_attention layers need a positive integer "
                               f"sliding_window, got {self.sliding_window!r}")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            self.final_logit_softcapping = None  # z-lab's reading of a non-positive cap: none
+        v2 = [getattr(self, k) for k in V2_FIELDS]
+        if any(v is not None for v in v2) and None in v2:
+            missing = [k for k, v in zip(V2_FIELDS, v2, strict=True) if v is None]
+            raise DFlashError(f"drafter config.json: a DFlash 2 drafter needs {', '.join(V2_FIELDS)}; "
+                              f"{', '.join(missing)} missing")
+        if self.version == 2 and (self.hidden_size % self.conv_group_size or min(*v2) < 1):
+            raise DFlashError(f"drafter config.json: conv_group_size {self.conv_group_size} must divide "
+                              f"hidden_size {self.hidden_size}, and the DFlash 2 sizes must be positive")
+
+    @property
+    def version(self) -> int:
+        """1 for DFlash (DFlashDraftModel), 2 for DFlash 2 (DFlash2DraftModel)."""
+        return 1 if self.conv_kernel_size is None else 2
+
+    def ignored_fields(self) -> list[str]:
+        """config.json fields this engine neither models nor knows to be harmless: named in a
+        warning at load, since a drafter that relies on one would draft worse, silently."""
+        top = [k for k in self.extra if k not in HARMLESS_FIELDS]
+        inner = [f"dflash_config.{k}" for k in self.dflash_extra if k not in ("block_size", "causal")]
+        return sorted(top) + sorted(inner)
 
     def layer_window(self, layer: int) -> int | None:
         """How far back a query of this layer sees (keys k with q - k < window); None: everything."""
@@ -123,6 +170,19 @@ class DFlashConfig:
         if layer_types is None and window is not None:  # Qwen3Config's layer_types when none are given
             first = take("max_window_layers", default=28)
             layer_types = [SLIDING if i >= first else FULL for i in range(n_layers)]
+        if d.pop("attention_bias", False) or d.get("mlp_bias"):
+            raise DFlashError("drafter config.json: attention or MLP biases are not supported "
+                              "(z-lab drafters have none)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise DFlashError(f"drafter config.json: hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+
+        def value(key: str, cast: type, default: Any = None) -> Any:
+            """z-lab's rule: dflash_config first, then the top level."""
+            raw = dflash.pop(key) if key in dflash else d.pop(key, None)
+            return default if raw is None else take(key, cast, src={key: raw})
+
+        extras = {k: value(k, float, default) for k, default in V1_FIELDS.items()}
+        v2 = {k: value(k, int) for k in V2_FIELDS}
         causal = d.pop("is_causal", None)
         causal = dflash.get("causal") if causal is None else causal  # vLLM's name for it
         if causal is not None and not isinstance(causal, bool):
@@ -148,6 +208,8 @@ class DFlashConfig:
             sliding_window=window if layer_types is not None and SLIDING in layer_types else None,
             is_causal=causal,
             rope_scaling=rope_scaling,
+            **extras,
+            **v2,
             extra=d,
             # Kept by name so to_dict writes them back (with this config's values for the two we model).
             dflash_extra={k: v for k, v in dflash.items() if k not in ("target_layer_ids", "mask_token_id")},
@@ -159,12 +221,15 @@ class DFlashConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         extra, dflash = d.pop("extra"), d.pop("dflash_extra")
+        # z-lab's package reads these in dflash_config first; written only where they change something.
+        fields = {k: d.pop(k) for k in (*V1_FIELDS, *V2_FIELDS)}
+        dflash.update({k: v for k, v in fields.items() if v is not None and v != V1_FIELDS.get(k)})
         ids, mask = d.pop("target_layer_ids"), d.pop("mask_token_id")
         if d["is_causal"] is None:
             d.pop("is_causal")
         sliding = SLIDING in self.layer_types
         out: dict[str, Any] = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [ARCHITECTURES[self.version]],
             "model_type": "qwen3",
             "attention_bias": False,
             "attention_dropout": 0.0,
@@ -176,6 +241,7 @@ class DFlashConfig:
         }
         out.update(extra)
         out.update(d)
+        out["architectures"] = [ARCHITECTURES[self.version]]
         # transformers' Qwen3Config drops sliding_window unless use_sliding_window is set, and
         # z-lab's reference reads the window from that config.
         out["use_sliding_window"] = sliding

@@ -11,12 +11,14 @@ import torch
 
 from .corpus import FILE_NAME as CORPUS_FILE
 from .corpus import CorpusNgrams
-from .drafter_config import ASSISTANT_TYPES, DFlashConfig, zlab_from_assistant
+from .drafter_config import ARCHITECTURES, ASSISTANT_TYPES, DFlashConfig, zlab_from_assistant
 from .errors import DFlashError
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ASSISTANT_RENAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+# DFlash 2 checkpoints store the selector's codebooks as bare tensors, not embedding modules.
+CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 # Optional: the token ids the drafter drafts from (a JSON list). Not a weight file, so engines that
 # know only the z-lab layout (vLLM, SGLang) ignore it and draft over the full vocabulary.
 DRAFT_VOCAB_NAME = "draft_vocab.json"
@@ -59,9 +61,15 @@ def read_config(folder: Path, target: Any = None) -> DFlashConfig:
                               "only with its target (it names neither the vocabulary nor the target's depth)")
         full = AutoConfig.from_pretrained(folder).to_dict()
         return DFlashConfig.from_dict(zlab_from_assistant(full, target.vocab_size, target.num_layers))
-    if "DFlashDraftModel" not in (raw.get("architectures") or []):
-        raise DFlashError(f"{cfg_file} is not a DFlash drafter (architectures = {raw.get('architectures')})")
-    return DFlashConfig.from_dict(raw)
+    arch = set(raw.get("architectures") or []) & set(ARCHITECTURES.values())
+    if not arch:
+        raise DFlashError(f"{cfg_file} is not a DFlash drafter (architectures = {raw.get('architectures')}; "
+                          f"known: {', '.join(ARCHITECTURES.values())})")
+    cfg = DFlashConfig.from_dict(raw)
+    if ARCHITECTURES[cfg.version] not in arch:
+        raise DFlashError(f"{cfg_file}: architectures {sorted(arch)} but the fields describe "
+                          f"{ARCHITECTURES[cfg.version]} (DFlash 2 needs conv_* and selector_* fields, DFlash 1 none)")
+    return cfg
 
 
 def read_weights(folder: Path, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -83,6 +91,7 @@ def read_weights(folder: Path, expected: dict[str, torch.Tensor]) -> dict[str, t
     state = {k.removeprefix("model."): v for k, v in state.items()}
     for old, new in ASSISTANT_RENAMES.items():  # a transformers-native assistant's names for fc, hidden_norm
         state = {new + k.removeprefix(old) if k.startswith(old) else k: v for k, v in state.items()}
+    state = {f"{k}.weight" if k in CODEBOOKS else k: v for k, v in state.items()}
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
     if missing:
         raise DFlashError(f"drafter weights in {folder} lack {sorted(missing)[:5]} ({len(missing)} missing)")
@@ -121,7 +130,8 @@ def write_checkpoint(folder: str | os.PathLike[str], cfg: DFlashConfig, state: d
     raw = cfg.to_dict()
     raw["dtype"] = str(dtype).removeprefix("torch.")
     (folder / CONFIG_NAME).write_text(json.dumps(raw, indent=2) + "\n")
-    state = {k: v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
+    state = {k.removesuffix(".weight") if k.removesuffix(".weight") in CODEBOOKS else k:
+             v.detach().to(dtype).contiguous().cpu() for k, v in state.items()}
     save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": "pt"})
     if draft_vocab is not None:
         (folder / DRAFT_VOCAB_NAME).write_text(json.dumps(draft_vocab.tolist()) + "\n")

@@ -27,6 +27,7 @@ class Draft:
     confidence: torch.Tensor | None = None
     # First-step top-k probabilities and token ids [B-1, k], the candidates of a draft tree
     top: tuple[torch.Tensor, torch.Tensor] | None = None
+    selector: bool = False  # DFlash 2: `top` holds the candidate selector's candidates, `tokens` its path
 
     def history(self) -> list[DraftStep]:
         """The denoising steps as plain lists, for the block's event (one transfer for them all)."""
@@ -60,7 +61,8 @@ class BlockDrafter:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [n, Vd] over the draft vocabulary (all V tokens without one)."""
-        return (self.target.lm_head(hidden) if self.head is None else self.head(hidden)).float()
+        logits = (self.target.lm_head(hidden) if self.head is None else self.head(hidden)).float()
+        return self.drafter.shape_logits(logits)
 
     @torch.inference_mode()
     def __call__(self, anchor: int, start: int, context: torch.Tensor | None, cache: object, length: int,
@@ -78,6 +80,8 @@ class BlockDrafter:
         n = length - 1
         tokens = torch.full((length,), drafter.mask_token_id, device=dev, dtype=torch.long)
         tokens[0] = anchor
+        if drafter.candidate_selector is not None:
+            return self.walk(tokens, start, context, cache, sampler)
         chosen_p = torch.zeros(n, device=dev)
         q_sub = None  # the proposal rows, over the draft vocabulary, of the positions fixed so far
         fixed = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -119,3 +123,21 @@ class BlockDrafter:
         if q_sub is not None:  # the accept rule reads q over the whole vocabulary
             q = q_sub if vocab is None else q_sub.new_zeros(n, target.vocab_size).index_copy_(1, vocab, q_sub)
         return Draft(tokens=tokens[1:].clone(), probs=chosen_p, q=q, steps=history, confidence=confidence, top=top)
+
+    def walk(self, tokens: torch.Tensor, start: int, context: torch.Tensor | None, cache: object,
+             sampler: Sampler) -> Draft:
+        """DFlash 2: one pass, then the path the candidate selector walks through each position's
+        top-k (the engine refuses more denoising steps). Its candidates, best score first given
+        the path so far, are the tree's; when sampling, q is the selector's softmax on them."""
+        hidden = self.drafter.step(self.target.embed(tokens[None]), start, cache, context)[0, 1:]
+        temperature = 0.0 if sampler.greedy else sampler.temperature
+        w = self.drafter.candidate_selector.walk(hidden, self.logits(hidden), int(tokens[0]), self.vocab,
+                                                  temperature, sampler.generator)
+        chosen = (w.probs * (w.candidates == w.path[:, None])).sum(-1)
+        q = None
+        if w.q is not None:
+            q = w.q.new_zeros(len(w.path), self.target.vocab_size).scatter_(1, w.candidates, w.q)
+        return Draft(tokens=w.path, probs=chosen, q=q,
+                     steps=[(w.path, chosen, torch.ones_like(w.path, dtype=torch.bool))],
+                     confidence=w.probs[:, 0], top=(w.probs[:, :BRANCHING], w.candidates[:, :BRANCHING]),
+                     selector=True)

@@ -22,7 +22,7 @@ from .drafter import DFlashDrafter
 from .drafter_config import check_fit
 from .drafting import BlockDrafter, Draft
 from .errors import DFlashError
-from .events import BlockEvent, Finished, tau
+from .events import BlockEvent, Finished, SelectorChoice, tau
 from .lookup import NgramIndex
 from .steps import BlockResult, ChainStep, PlainStep, TreeStep
 from .targets import Target
@@ -69,6 +69,9 @@ class Engine:
         config = config or GenerationConfig()
         if not plain and self.drafter is None:
             raise DFlashError("DFlash decoding needs a drafter; load one or use plain decoding")
+        if not plain and config.steps > 1 and self.drafter.config.version == 2:
+            raise DFlashError(f"a DFlash 2 drafter drafts in one denoising step (its candidate selector walks the "
+                              f"block once); use steps=1, not {config.steps}")
         ids = self.prompt_ids(prompt)
         ctx = self.target.max_context
         if len(ids) >= ctx:
@@ -235,8 +238,15 @@ class Engine:
             committed_text=target.token_strings(committed), draft_text=target.token_strings(draft),
             verified=result.verified, tree_nodes=result.tree_nodes,
             lookup_nodes=None if lookup is None else lookup[0], lookup_accepted=None if lookup is None else lookup[1],
-            tree=result.tree,
+            tree=result.tree, selector=self._selector(result),
         )
+
+    def _selector(self, result: BlockResult) -> list[SelectorChoice] | None:
+        if result.choices is None:
+            return None
+        texts = iter(self.target.token_strings([t for ids, _, _ in result.choices for t in ids]))
+        return [SelectorChoice(ids, [next(texts) for _ in ids], [round(p, 4) for p in probs], chosen)
+                for ids, probs, chosen in result.choices]
 
 
 class _Stopper:

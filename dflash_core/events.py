@@ -56,6 +56,17 @@ class CandidateTree:
 
 
 @dataclass
+class SelectorChoice:
+    """DFlash 2, one drafted position: the candidate selector's top candidates there, best score
+    first given the tokens it chose before, and the one it chose (the draft's token)."""
+
+    tokens: list[int]
+    texts: list[str]
+    probs: list[float]  # softmax of the selector's scores over its candidates
+    chosen: int  # index into tokens
+
+
+@dataclass
 class BlockEvent:
     """One draft → verify → accept cycle (or one plain decoding step, with no draft)."""
 
@@ -87,6 +98,8 @@ class BlockEvent:
     # A tree block's candidates and the target's walk through them (what the app draws); None: a
     # chain, drawn from `draft`, `accepted` and `verified`.
     tree: CandidateTree | None = None
+    # DFlash 2: each drafted position's candidates and the selector's choice; None: DFlash 1
+    selector: list[SelectorChoice] | None = None
 
     @property
     def pass_tokens(self) -> int:

@@ -37,6 +37,11 @@ def load(target: str | None = None, draft: str | None = None, device: str | None
     if spec is not None:
         engine = Engine(tgt, load_drafter(spec, device=tgt.device, dtype=tgt.dtype, target=tgt))
         engine.drafter_name = spec
+        ignored = engine.drafter.config.ignored_fields()
+        if ignored:
+            engine.warnings.append(f"drafter config field(s) {', '.join(ignored)} are not understood by this engine "
+                                   "and are ignored: if the drafter relies on them, it drafts worse (the output "
+                                   "stays exact)")
         return engine
     if target not in EMBEDDED_SPECS:
         raise DFlashError(f"no drafter for target {tgt.name!r}: pass --draft ID|PATH (or --draft none)")

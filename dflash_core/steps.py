@@ -35,6 +35,8 @@ class BlockResult:
     tree_nodes: int | None = None
     lookup: tuple[int, int] | None = None  # (lookup nodes in the tree, of them accepted)
     tree: CandidateTree | None = None  # a tree block's candidates, as plain data
+    # DFlash 2: per drafted position, (candidate ids, their probabilities, the chosen index)
+    choices: list[tuple[list[int], list[float], int]] | None = None
 
     @property
     def accepted(self) -> int:
@@ -133,7 +135,8 @@ class ChainStep(DraftingStep):
         self.cache.truncate(start + len(new))
         self.context = feats[None, : len(new)]
         self.pace.record(depth, t2 - t1, len(tokens), len(new), time.perf_counter() - t1)
-        return BlockResult(new, draft.history(), (t2 - t1) * 1e3, (t3 - t2) * 1e3, verified=len(tokens))
+        return BlockResult(new, draft.history(), (t2 - t1) * 1e3, (t3 - t2) * 1e3, verified=len(tokens),
+                           choices=selector_choices(draft))
 
     def _accept_fused(self, tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> list[int]:
         s = self.sampler
@@ -186,7 +189,8 @@ class TreeStep(DraftingStep):
         picture = self.picture(tree, line[:acc], tok, draft)
         self.pace.record(depth, t2 - t1, len(tree), len(rows), time.perf_counter() - t1)
         return BlockResult([*shown.tokens[:acc], tok], [shown], (t2 - t1) * 1e3, (t3 - t2) * 1e3,
-                           verified=len(line), tree_nodes=len(tree), lookup=looked, tree=picture)
+                           verified=len(line), tree_nodes=len(tree), lookup=looked, tree=picture,
+                           choices=selector_choices(draft))
 
     def picture(self, tree: DraftTree, walked: list[int], tok: int, draft: Draft) -> CandidateTree:
         """The checked tree as plain data for the block's event: what the app draws."""
@@ -223,6 +227,15 @@ class TreeStep(DraftingStep):
         if self.lookup is not None:
             self.rates.update(*self.guess, result.tokens)
             self.lookup.extend(kept)
+
+
+def selector_choices(draft: Draft) -> list[tuple[list[int], list[float], int]] | None:
+    """A DFlash 2 draft's candidates per position and the selector's pick, as plain data."""
+    if not draft.selector or draft.top is None:
+        return None
+    probs, ids = draft.top
+    return [(row, p, row.index(t) if t in row else -1)
+            for row, p, t in zip(ids.tolist(), probs.tolist(), draft.tokens.tolist(), strict=True)]
 
 
 def candidate_tree(draft: Draft, max_nodes: int) -> DraftTree:

@@ -196,8 +196,9 @@ def _edit(cfg: dict[str, Any], change: str) -> dict[str, Any] | str:
     ("change", "pattern"),
     [
         ("truncated", r"config\.json is not valid JSON"),
-        ("not-dflash", r"is not a DFlash drafter \(architectures = \['Qwen3ForCausalLM'\]\)"),
-        ("no-architectures", r"is not a DFlash drafter \(architectures = None\)"),
+        ("not-dflash", r"is not a DFlash drafter \(architectures = \['Qwen3ForCausalLM'\]; known: DFlashDraftModel, "
+                       r"DFlash2DraftModel\)"),
+        ("no-architectures", r"is not a DFlash drafter \(architectures = None; known: "),
         ("no-hidden-size", r"drafter config\.json lacks the field 'hidden_size'"),
         ("no-dflash-config", r"drafter config\.json lacks the field 'mask_token_id'"),
         ("no-num-target-layers", r"drafter config\.json lacks the field 'num_target_layers'"),

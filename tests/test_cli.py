@@ -5,43 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from cli_run import ENGINES, FAST, run, shared_engines, write_jsonl  # noqa: F401  (shared_engines: autouse)
 
 import dflash_core.__main__ as cli
 from dflash_core import bench, prompt_sets
 from dflash_core.config import GenerationConfig
-from dflash_core.engine import Engine
 from dflash_core.errors import DFlashError
 from dflash_core.events import BlockEvent
-from dflash_core.loading import load
 
 PROMPT = "What is the capital of France?"
-FAST = ["--device", "cpu", "--block-size", "4"]  # small blocks: cheap verify forwards on a shared CPU
-_engines: dict[tuple, Engine] = {}
-
-
-def _cached_load(target: str | None = None, draft: str | None = None, device: str | None = None,
-                 dtype: str | None = None, graphs: bool | None = None) -> Engine:
-    # Loading the target costs seconds; every test runs the same real load() once per argument set.
-    key = (target, draft, device, dtype, graphs)
-    if key not in _engines:
-        _engines[key] = load(target, draft, device, dtype, graphs=graphs)
-    return _engines[key]
-
-
-@pytest.fixture(autouse=True)
-def shared_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "load", _cached_load)
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +33,7 @@ def test_generate_streams_reply_and_summary(capsys: pytest.CaptureFixture[str], 
     assert rc == 0, err
     assert out.strip(), "no reply text on stdout"
     assert out.endswith("\n")
-    for note in _engines[(None, None, "cpu", None, None)].warnings:  # load()'s notes reach the user
+    for note in ENGINES[(None, None, "cpu", None, None)].warnings:  # load()'s notes reach the user
         assert f"warning: {note}" in err
     summary = err.strip().splitlines()[-1]
     assert summary.startswith("[dflash]")
@@ -77,7 +53,7 @@ def test_generate_plain_matches_dflash_and_honours_stop(capsys: pytest.CaptureFi
     rc, out, err = run(capsys, "generate", "--prompt", PROMPT, "--max-new-tokens", "12", "--plain",
                        "--stop", stop, *FAST)
     assert rc == 0, err
-    assert _engines[(None, "none", "cpu", None, None)].drafter is None  # --plain loads no drafter
+    assert ENGINES[(None, "none", "cpu", None, None)].drafter is None  # --plain loads no drafter
     assert "[plain]" in err and "finish: stop" in err
     # Greedy DFlash and plain decoding agree, and streaming never printed past the stop string.
     assert out == text[: text.index(stop)] + "\n"
@@ -148,7 +124,7 @@ def help_entries(text: str) -> dict[str, str]:
     return entries
 
 
-@pytest.mark.parametrize("command", ["generate", "bench", "train"])
+@pytest.mark.parametrize("command", ["generate", "bench", "train", "export"])
 def test_every_option_has_help_and_its_default(capsys: pytest.CaptureFixture[str], command: str) -> None:
     rc, out, _ = run(capsys, command, "--help")
     assert rc == 0
@@ -173,11 +149,6 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # ----- bench -----
-
-def write_jsonl(path: Path, rows: list[object]) -> Path:
-    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
-    return path
-
 
 def test_bench_tiny_set(capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     prompts = write_jsonl(tmp_path / "p.jsonl", [
@@ -229,19 +200,25 @@ def test_bench_skip_leaves_out_the_first_prompts(capsys: pytest.CaptureFixture[s
 
 
 def test_bench_peer_methods_agree_with_plain_greedy(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """transformers' generate and prompt-lookup decoding are exact at T=0 too: same ids as our plain loop."""
+    """transformers' generate, prompt-lookup decoding and its own DFlash (with our drafter) are exact at
+    T=0 too: same ids as our plain loop."""
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Repeat after me: red, green, blue, red, green."}])
     out_json = tmp_path / "r.json"
+    methods = ["plain", "dflash", "hf-generate", "prompt-lookup", "hf-dflash"]
     rc, out, err = run(capsys, "bench", "--prompts", str(prompts), "--max-new-tokens", "10", "--warmup", "0",
-                       "--methods", "plain,dflash,hf-generate,prompt-lookup", "--out", str(out_json), *FAST)
+                       "--methods", ",".join(methods), "--out", str(out_json), *FAST)
     assert rc == 0, err
     report = json.loads(out_json.read_text())
     s, row = report["summary"], report["per_prompt"][0]
-    assert s["methods"] == ["plain", "dflash", "hf-generate", "prompt-lookup"] and s["mismatches"] == 0
+    assert s["methods"] == methods and s["mismatches"] == 0
     assert row["plain_ids"] == row["hf-generate_ids"] == row["prompt-lookup_ids"] == row["dflash_ids"]
-    assert len(row["plain_ids"]) > 0
-    for name in ("hf-generate", "prompt-lookup"):
+    assert row["hf-dflash_ids"] == row["plain_ids"] and len(row["plain_ids"]) > 0
+    for name in methods[2:]:
         assert s[f"{name}_speedup"] > 0 and name in out
+    hf = s["per_method"]["hf-dflash"]  # blocks of the run's --block-size (FAST: 4), counted per target forward
+    assert hf["block_size"] == 4 and len(hf["tau_hist"]) == 4 and hf["tau"] == s["hf-dflash_mean_tau"] >= 1.0
+    assert sum((k + 1) * c for k, c in enumerate(hf["tau_hist"])) == len(row["plain_ids"]) - 1  # prefill: 1
+    assert "hf-dflash: transformers' own DFlash" in out
 
 
 def test_bench_unknown_method_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -254,52 +231,6 @@ def test_bench_unknown_method_exits_2(capsys: pytest.CaptureFixture[str], tmp_pa
     assert rc == 2 and "must include dflash" in err
 
 
-def test_bench_scoreboard_json_html_and_readme(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """One tiny real run writes all three outputs; the HTML opens offline and names every method."""
-    from plotly.offline import get_plotlyjs
-
-    from app import bench_report
-
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Name a colour."}, {"prompt": "Count to five."}])
-    readme = tmp_path / "README.md"
-    readme.write_text("# R\n\n<!-- bench:start -->\nplaceholder\n<!-- bench:end -->\n\ntail\n")
-    argv = ["bench", "--set", str(prompts), "--max-new-tokens", "16", "--warmup", "0", "--methods", "plain,dflash-b4",
-            "--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html"), "--readme", str(readme),
-            "--device", "cpu", "--no-progress"]
-    rc, out, err = run(capsys, *argv)
-    assert rc == 0, err
-    s = json.loads((tmp_path / "r.json").read_text())["summary"]
-    assert s["methods"] == ["plain", "dflash-b4"] and s["primary"] == "dflash-b4" and s["block_size"] == 4
-    assert s["command"] == "python -m dflash_core bench " + " ".join(argv[1:])
-    d, p = s["per_method"]["dflash-b4"], s["per_method"]["plain"]
-    assert len(d["tau_hist"]) == 4 and d["tau"] == pytest.approx(
-        sum((k + 1) * c for k, c in enumerate(d["tau_hist"])) / sum(d["tau_hist"]))
-    # Every committed token is the prefill's (one per prompt) or a block's; blocks may overshoot the cut.
-    assert sum((k + 1) * c for k, c in enumerate(d["tau_hist"])) + 2 >= d["tokens"] == p["tokens"] > 0
-    assert d["exact_matches"] == p["exact_matches"] == 2 and s["mismatches"] == 0
-    assert p["step_ms"] > 0 and d["verify_ms_per_block"] > 0 and d["draft_ms_per_block"] > 0
-    assert d["bound"] == pytest.approx(d["tau"] * p["step_ms"] / (d["verify_ms_per_block"] + d["draft_ms_per_block"]))
-    assert d["achieved"] == pytest.approx(d["speedup"] / d["bound"])
-    assert "dflash-b4" in out and "bound" in out
-
-    html = (tmp_path / "r.html").read_text()
-    assert get_plotlyjs() in html  # plotly.js inlined, whole
-    page = html.replace(get_plotlyjs(), "")  # the bundle's own code mentions URLs; the page must fetch none
-    assert not re.search(r"<script[^>]*\bsrc=|<link\b|(?:src|href)=[\"']?(?:https?:)?//", page, re.IGNORECASE)
-    assert page.count('class="plotly-graph-div"') == 4
-    for name in ("plain", "dflash-b4", "τ histogram", "Achieved vs bound", s["command"]):
-        assert name in html, name
-
-    text = readme.read_text()
-    assert "placeholder" not in text and text.startswith("# R\n\n<!-- bench:start -->\n") and text.endswith("tail\n")
-    assert "| `dflash-b4` |" in text and s["command"] in text and s["date"] in text
-
-    # The same HTML again from the JSON alone (e.g. one that came back from a GPU run).
-    assert bench_report.main([str(tmp_path / "r.json"), "--html", str(tmp_path / "again.html")]) == 0
-    again = (tmp_path / "again.html").read_text()
-    assert again.count('class="plotly-graph-div"') == 4 and "dflash-b4" in again
-
-
 def test_bench_checks_outputs_before_running(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     (tmp_path / "README.md").write_text("no markers here\n")
@@ -310,28 +241,6 @@ def test_bench_checks_outputs_before_running(capsys: pytest.CaptureFixture[str],
     rc, _, err = run(capsys, "bench", "--set", str(prompts), "--methods", "plain,dflash-b99",
                      "--json", str(tmp_path / "r.json"), *FAST)
     assert rc == 2 and "block size must be 2..32" in err
-
-
-@pytest.mark.parametrize(("missing", "message"), [("app.bench_report", "app/ package"),
-                                                 ("plotly.graph_objects", "pip install plotly")])
-def test_bench_html_without_its_modules_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch, missing: str, message: str) -> None:
-    monkeypatch.delitem(sys.modules, "app.bench_report", raising=False)
-    monkeypatch.setitem(sys.modules, missing, None)  # an import of it now fails
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
-    rc, _, err = run(capsys, "bench", "--set", str(prompts), "--json", str(tmp_path / "r.json"),
-                     "--html", str(tmp_path / "r.html"), *FAST)
-    assert rc == 2 and err.startswith("error: --html needs") and message in err and err.count("\n") == 1
-    assert not (tmp_path / "r.json").exists()
-
-
-def test_engine_package_imports_neither_plotly_nor_the_app() -> None:
-    import subprocess
-
-    code = ("import sys, dflash_core, dflash_core.bench, dflash_core.bench_stats, dflash_core.__main__, "
-            "dflash_core.train.run; print('plotly' in sys.modules, 'app' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.strip() == "False False"
 
 
 def test_bench_bad_jsonl_line_exits_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -167,3 +167,19 @@ def test_resting_after_losing_blocks_keeps_sampling_exact(toy_engine: Engine, mo
         counts[tuple(fin.token_ids)] += 1
     assert kinds[False] > TRIALS / 20 and kinds[True] > TRIALS / 20, kinds  # both kinds of step were taken often
     assert chi_square_p(counts, exact_distribution(toy_engine.target, cfg)) > 1e-3
+
+
+def test_dflash2_sampling_with_the_selectors_sparse_q_stays_exact() -> None:
+    """DFlash 2 proposes from the selector's softmax over each position's top-k candidates
+    (k = 2 of this toy's 4 tokens, so q is 0 for half the vocabulary), conditioned on the token
+    drawn before it: the accept rule with that q keeps the target's distribution."""
+    from dflash_core.dflash2 import dflash2_config
+
+    target = toy_target()
+    base = config_for_target(target.config, num_layers=1, block_size=3, mask_token_id=3)
+    cfg_d = dflash2_config(base, kernel_size=2, group_size=base.hidden_size, top_k=2, rank=4)
+    engine = Engine(target, init_weights(DFlashDrafter(cfg_d), std=0.3, seed=5))
+    cfg = GenerationConfig(max_new_tokens=LENGTH, temperature=1.0, block_size=3, steps=1)
+    counts, tau = sampled_counts(engine, cfg)
+    assert 1.0 < tau < 3.0
+    assert chi_square_p(counts, exact_distribution(target, cfg)) > 1e-3

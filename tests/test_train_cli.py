@@ -292,3 +292,19 @@ def test_keep_draft_vocab_trains_against_the_warm_start_vocabulary(trained: Path
     with pytest.raises(SystemExit, match="--keep-draft-vocab needs --init from:DIR"):
         main(["train", "--data", str(trained / "data"), "--out", str(trained / "kept2"), "--steps", "2",
               "--keep-draft-vocab", *TRAIN_FLAGS, "--eval-prompts", "none"])
+
+
+def test_a_dflash1_run_trains_on_as_dflash2(trained: Path) -> None:
+    """--arch dflash2 from a DFlash 1 run: the same layers, then convolutions and a selector that
+    start neutral (the upgrade drafts as its origin) and learn; the run resumes as DFlash 2."""
+    out = trained / "v2"
+    assert main(["train", "--data", str(trained / "data"), "--out", str(out), "--steps", "4", "--arch", "dflash2",
+                 "--init", f"from:{trained / 'run'}", *TRAIN_FLAGS, "--eval-prompts", "none"]) == 0
+    d = load_drafter(out)
+    assert d.config.version == 2 and json.loads((out / "config.json").read_text())["architectures"] == [
+        "DFlash2DraftModel"]
+    assert d.candidate_selector is not None and d.candidate_selector.hidden_projection.weight.abs().sum() > 0
+    assert main(["train", "--data", str(trained / "data"), "--out", str(out), "--steps", "6", "--resume",
+                 "--arch", "dflash2", "--init", f"from:{trained / 'run'}", *TRAIN_FLAGS, "--eval-prompts", "none"]) == 0
+    assert json.loads((out / "train_report.json").read_text())["resumed_from"] == 4
+    assert load_drafter(out).config.version == 2

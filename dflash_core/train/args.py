@@ -76,6 +76,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--gamma", type=float, default=None,
                    help="loss decay over block positions (default: by block size, 7 for B=16)")
     t.add_argument("--num-layers", type=int, default=2, metavar="N", help="drafter layers")
+    t.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
+                   help="DFlash, or DFlash 2 (dynamic convolutions and a candidate selector; from a DFlash "
+                        "--init, it starts drafting as that drafter does)")
     t.add_argument("--block-size", type=int, default=16, metavar="B", help="tokens per block, the anchor included")
     t.add_argument("--target-layers", default="", metavar="I,J",
                    help="target layers whose features the drafter reads (default: spread over the target)")

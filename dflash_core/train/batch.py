@@ -113,12 +113,21 @@ class BatchOutput:
     weights: torch.Tensor  # [M]
     rows: torch.Tensor  # [M] row of each labelled position
     slots: torch.Tensor  # [M] position inside its block (1..B-1)
+    # DFlash 2: the selector's scores of each position's top-k candidates [M, k], given the true
+    # previous token, and the label's index among them (IGNORE where it is not one of them)
+    selector_scores: torch.Tensor | None = None
+    selector_labels: torch.Tensor | None = None
 
     def loss(self) -> torch.Tensor:
         """The weighted cross entropy of the whole batch (one normaliser for all rows, as if all
-        blocks were one sequence's: rows with more valid positions count more)."""
+        blocks were one sequence's: rows with more valid positions count more), plus the
+        selector's over its candidates, weighted alike."""
         ce = F.cross_entropy(self.logits.float(), self.labels, reduction="none")
-        return (ce * self.weights).sum() / self.weights.sum().clamp_min(1e-12)
+        loss = (ce * self.weights).sum() / self.weights.sum().clamp_min(1e-12)
+        if self.selector_scores is not None and self.selector_labels is not None:
+            sel = F.cross_entropy(self.selector_scores, self.selector_labels, reduction="none", ignore_index=IGNORE)
+            loss = loss + (sel * self.weights).sum() / self.weights.sum().clamp_min(1e-12)
+        return loss
 
     @torch.no_grad()
     def row_loss(self, n_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +139,12 @@ class BatchOutput:
 
     @torch.no_grad()
     def position_hits(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hits, counts), each [B] on the CPU: argmax accuracy per block position."""
-        ok = (self.logits.argmax(-1) == self.labels).long()
+        """(hits, counts), each [B] on the CPU: accuracy per block position of the drafter's
+        choice (the argmax; DFlash 2: the selector's, after the true previous tokens)."""
+        if self.selector_scores is not None and self.selector_labels is not None:
+            ok = (self.selector_scores.argmax(-1) == self.selector_labels).long()
+        else:
+            ok = (self.logits.argmax(-1) == self.labels).long()
         hits = torch.zeros(block_size, dtype=torch.long, device=ok.device).index_add_(0, self.slots, ok)
         counts = torch.zeros(block_size, dtype=torch.long, device=ok.device).index_add_(
             0, self.slots, torch.ones_like(ok))
@@ -207,9 +220,31 @@ def batch_forward(drafter: Any, target: Any, batch: PaddedBatch, context: torch.
         valid = labels >= 0
     with torch.autocast(dev.type, dtype=autocast, enabled=autocast is not None):
         dtype = autocast or drafter.fc.weight.dtype
-        hidden = drafter.forward_train(context.to(dev, dtype), emb.to(dtype), batch.positions, batch.mask)
-        logits = target.lm_head(hidden[valid]) if head is None else head.logits(target, hidden[valid])
+        hidden = drafter.forward_train(context.to(dev, dtype), emb.to(dtype), batch.positions, batch.mask,
+                                       batch.block_size)
+        logits = drafter.shape_logits(
+            target.lm_head(hidden[valid].to(target.dtype)) if head is None else head.logits(target, hidden[valid]))
+        selector = getattr(drafter, "candidate_selector", None)
+        scores, picks = (None, None) if selector is None else selector_targets(
+            selector, hidden, logits, batch, valid, labels[valid], head)
     rows = torch.arange(valid.shape[0], device=dev)[:, None].expand_as(valid)[valid]
     slots = (torch.arange(valid.shape[1], device=dev) % batch.block_size)[None, :].expand_as(valid)[valid]
     return BatchOutput(logits=logits, labels=labels[valid], weights=batch.weights[valid].float(),
-                       rows=rows, slots=slots)
+                       rows=rows, slots=slots, selector_scores=scores, selector_labels=picks)
+
+
+def selector_targets(selector: Any, hidden: torch.Tensor, logits: torch.Tensor, batch: PaddedBatch,
+                     valid: torch.Tensor, labels: torch.Tensor, head: HeadSubset | None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash 2's selector, teacher forced: each labelled position's top-k candidates scored
+    after the TRUE previous token (the anchor at a block's first position), which is what the
+    selector sees whenever the path so far is right, the only case acceptance depends on.
+    Returns the scores [M, k] and the label's index among the candidates (IGNORE: not among them)."""
+    first = (torch.arange(valid.shape[1], device=valid.device) % batch.block_size == 1)[None, :]
+    previous = torch.where(first, batch.input_ids.roll(1, 1), batch.labels.roll(1, 1))[valid]
+    unary, index = logits.detach().topk(min(selector.top_k, logits.shape[-1]), -1)
+    candidates = index if head is None else head.keep.to(index.device)[index]
+    found = index == labels[:, None]
+    picks = torch.where(found.any(-1) & (previous >= 0), found.int().argmax(-1), IGNORE)
+    scores = unary.float() + selector.pair_scores(hidden[valid], previous.clamp_min(0), candidates).float()
+    return scores, picks

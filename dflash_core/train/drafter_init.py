@@ -13,8 +13,9 @@ from typing import Any
 
 import torch
 
+from ..dflash2 import dflash2_config, upgrade
 from ..drafter import DFlashDrafter, init_weights
-from ..drafter_config import config_for_target
+from ..drafter_config import V2_FIELDS, config_for_target
 
 
 def init_from_target(drafter: DFlashDrafter, target_model: Any, layer_ids: list[int]) -> None:
@@ -43,6 +44,9 @@ def warm_start(drafter: DFlashDrafter, folder: Path) -> None:
     src = load_drafter(folder)
     extra = len(drafter.layers) - len(src.layers)
     depth = {"num_hidden_layers", "layer_types", "max_window_layers"} if extra > 0 else set()
+    upgrading = src.config.version == 1 and drafter.config.version == 2
+    if upgrading:  # DFlash 1 -> 2: the new parts are the only difference allowed
+        depth |= {"architectures", *(f"dflash_config.{k}" for k in V2_FIELDS)}
     src_ctx, new_ctx = list(src.config.target_layer_ids), list(drafter.config.target_layer_ids)
     wider = src_ctx != new_ctx and set(src_ctx) < set(new_ctx)
     if wider:
@@ -60,7 +64,12 @@ def warm_start(drafter: DFlashDrafter, folder: Path) -> None:
         state = torch.load(run_state, map_location="cpu", weights_only=False)["model"]
     if wider:
         state = dict(state, **{"fc.weight": widen_fc(state["fc.weight"], src_ctx, new_ctx)})
-    if extra > 0:
+    if upgrading:
+        if extra > 0:
+            raise ValueError(f"--init from:{folder}: grow a DFlash drafter and make it DFlash 2 in two runs")
+        src.load_state_dict(state)
+        upgrade(src, drafter)
+    elif extra > 0:
         grow(drafter, state, len(src.layers))
     else:
         drafter.load_state_dict(state)
@@ -101,10 +110,12 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def build_drafter(target: Any, layer_ids: list[int], *, num_layers: int = 2, block_size: int = 16,
-                  mask_token_id: int = 0, init: str = "random", seed: int = 0) -> DFlashDrafter:
+                  mask_token_id: int = 0, init: str = "random", seed: int = 0, version: int = 1) -> DFlashDrafter:
     cfg = config_for_target(target.config, num_layers=num_layers, block_size=block_size,
                             mask_token_id=mask_token_id)
     cfg.target_layer_ids = list(layer_ids)
+    if version == 2:
+        cfg = dflash2_config(cfg)
     drafter = init_weights(DFlashDrafter(cfg), seed=seed)
     if init == "target-last":
         init_from_target(drafter, target.model, list(range(target.num_layers - num_layers, target.num_layers)))

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..corpus import FILE_NAME as CORPUS_FILE
+from ..dflash2 import SELECTOR_LR_SCALE
 from ..drafter import DFlashDrafter
 from ..drafter_config import DFlashConfig, default_target_layer_ids
 from ..drafter_io import CONFIG_NAME
@@ -93,7 +94,8 @@ def make_drafter(args: argparse.Namespace, target: Any, out: Path,
     layer_ids = ([int(x) for x in args.target_layers.split(",")] if args.target_layers
                  else default_target_layer_ids(target.num_layers, args.num_layers))
     drafter = build_drafter(target, layer_ids, num_layers=args.num_layers, block_size=args.block_size,
-                            mask_token_id=args.mask_token_id, init=args.init, seed=args.seed)
+                            mask_token_id=args.mask_token_id, init=args.init, seed=args.seed,
+                            version=2 if getattr(args, "arch", "dflash") == "dflash2" else 1)
     return drafter, layer_ids, None
 
 
@@ -101,10 +103,15 @@ def make_optimizer(args: argparse.Namespace, drafter: DFlashDrafter, position: P
                    fused: bool) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (no weight decay on norms) with warm-up + cosine over `position.total_steps`, read
     at every step so that `--steps 0` can refit it."""
-    decay = [p for p in drafter.parameters() if p.dim() >= 2]
-    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), fused=fused)
+    selector = drafter.candidate_selector
+    new = set() if selector is None else {id(p) for p in selector.parameters()}
+    rest = [p for p in drafter.parameters() if id(p) not in new]
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    if selector is not None:  # DFlash 2's selector: new where the rest is warm-started
+        groups.append({"params": list(selector.parameters()), "weight_decay": args.weight_decay,
+                       "lr": args.lr * SELECTOR_LR_SCALE})
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, args.warmup, position.total_steps, args.min_lr_ratio))
     return opt, sched
