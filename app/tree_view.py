@@ -37,6 +37,8 @@ SOURCES = {  # marker symbol, legend name
     "lookup": ("square", "prompt lookup"),
     "ngram": ("triangle-up", "n-gram table"),
 }
+SELECTOR_PATH = "the selector's path (DFlash 2)"
+SELECTOR_COLOR = "#7048e8"
 MAX_LABEL = 8  # characters of a token shown on its node (the hover shows it whole)
 ROW_PX = 46  # one row: the token above its marker, the probability below
 LABEL_FONT = 11
@@ -55,6 +57,7 @@ class Node:
     rank: int | None = None  # 0: the drafter's first choice there
     score: float | None = None  # the tree's estimate that the target walks through it
     row: int = 0
+    selector_path: bool = False  # DFlash 2: on the path the candidate selector chose
 
 
 @dataclass
@@ -113,7 +116,7 @@ def picture(ev: BlockEvent | None, anchor: str = "") -> Picture | None:
         open_ = {-1, *walked}  # the nodes whose children the target's choice decided
         nodes = [Node(n.parent, n.depth, n.text, n.source,
                       ACCEPTED if i in walked else REJECTED if n.parent in open_ else UNREACHED,
-                      n.prob, n.rank, n.score) for i, n in enumerate(tree.nodes)]
+                      n.prob, n.rank, n.score, selector_path=n.selector_path) for i, n in enumerate(tree.nodes)]
         last, kind = (tree.walked[-1] if tree.walked else -1), "tree"
     else:
         probs = ev.steps[-1].probs if ev.steps else []
@@ -180,6 +183,8 @@ def _hover(pic: Picture, i: int, choice: dict[int, str]) -> str:
         lines.append(f"the target's own token, {kind}: committed after the accepted drafts")
     else:
         lines.append(_origin(n))
+        if n.selector_path:
+            lines.append("on the path the candidate selector chose (the drafter's chain)")
         if n.score is not None:
             lines.append(f"the tree's estimate that the target walks here: {n.score:.2f}")
         lines.append({
@@ -236,6 +241,11 @@ def tree_figure(ev: BlockEvent | None, anchor: str = "", title: str = "Candidate
     edges({REJECTED, UNREACHED}, "branches", {"color": "#ced4da", "width": 1.5})
     edges({UNVERIFIED}, "not verified", {"color": "#dee2e6", "width": 1.5, "dash": "dot"})
     edges({ACCEPTED, TARGET}, "committed path", {"color": COLORS["accepted"], "width": 4})
+    path = [i for i, n in enumerate(nodes) if n.selector_path]
+    if path:  # DFlash 2: the selector's chain, over whatever the target made of it
+        fig.add_trace(go.Scatter(x=[0, *(nodes[i].depth for i in path)], y=[0, *(nodes[i].row for i in path)],
+                                 mode="lines", line={"color": SELECTOR_COLOR, "width": 2, "dash": "dash"},
+                                 hoverinfo="skip", name=SELECTOR_PATH))
     fig.add_trace(go.Scatter(
         x=[0], y=[0], mode="markers+text", text=[label(pic.anchor_text) if pic.anchor_text else "anchor"],
         textposition="top center", textfont={"size": LABEL_FONT}, name="anchor",

@@ -61,9 +61,14 @@ class Walk:
     """The selector's choices for a block's positions 1..n."""
 
     path: torch.Tensor  # [n] the chosen tokens (vocabulary ids)
-    candidates: torch.Tensor  # [n, k] each position's top-k tokens, best score first
+    candidates: torch.Tensor  # [n, k] each position's top-k tokens, best score first given the path
     probs: torch.Tensor  # [n, k] softmax of the scores given the path's predecessor, same order
+    chosen: torch.Tensor  # [n] the path's index into each row of `candidates`
     q: torch.Tensor | None  # [n, k] the proposal rows when sampling (softmax at the temperature)
+    # Every predecessor at once: each position's top-k in logit order [n, k], and the softmax of
+    # their scores after each of the previous position's (the anchor's at position 1) [n, k, k]
+    ids: torch.Tensor
+    given: torch.Tensor
 
 
 class CandidateSelector(nn.Module):
@@ -84,32 +89,32 @@ class CandidateSelector(nn.Module):
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, vocab: torch.Tensor | None,
              temperature: float, generator: torch.Generator | None) -> Walk:
         """hidden [n, H] and logits [n, Vd] of positions 1..n (over the draft vocabulary `vocab`,
-        or all tokens); temperature 0: greedy."""
+        or all tokens); temperature 0: greedy. Every position's scores after every candidate
+        before it are one product, so the walk itself only picks rows."""
         unary, index = logits.topk(min(self.top_k, logits.shape[-1]), -1)
-        candidates = index if vocab is None else vocab[index]
-        mixed_h = self.hidden_projection(hidden).float()
-        successors = self.successor_codebook(candidates).float()  # [n, k, r]
-        predecessors = self.predecessor_codebook.weight
-        previous = torch.tensor(anchor, device=logits.device)
-        picks, rows, qs = [], [], []
-        for p in range(logits.shape[0]):
-            mixed = predecessors[previous].float() * mixed_h[p]
-            scores = unary[p] + torch.einsum("r,kr->k", mixed, successors[p])
-            if temperature > 0:
-                q = torch.softmax(scores / temperature, -1)
-                pick = sample(q[None], generator)[0]
+        ids = index if vocab is None else vocab[index]
+        n, k = ids.shape
+        previous = torch.cat([ids.new_full((1, k), anchor), ids[:-1]])  # [n, k]: position 1 follows the anchor
+        mixed = self.predecessor_codebook(previous).float() * self.hidden_projection(hidden).float()[:, None, :]
+        scores = unary[:, None, :] + torch.einsum("nir,njr->nij", mixed, self.successor_codebook(ids).float())
+        picks, before, qs = [], 0, []
+        if temperature > 0:
+            for p in range(n):
+                q = torch.softmax(scores[p, before] / temperature, -1)
+                before = int(sample(q[None], generator)[0])
                 qs.append(q)
-            else:
-                pick = scores.argmax()
-            rows.append(scores)
-            picks.append(pick)
-            previous = candidates[p, pick]
-        scores = torch.stack(rows)
-        chosen = torch.stack(picks)
-        path = candidates.gather(1, chosen[:, None])[:, 0]
-        probs, order = torch.softmax(scores, -1).sort(-1, descending=True)
-        return Walk(path=path, candidates=candidates.gather(1, order), probs=probs,
-                    q=torch.stack(qs).gather(1, order) if qs else None)
+                picks.append(before)
+        else:
+            for row in scores.argmax(-1).tolist():
+                before = row[before]
+                picks.append(before)
+        chosen = torch.tensor(picks, device=ids.device)
+        along = scores[torch.arange(n, device=ids.device), torch.cat([chosen.new_zeros(1), chosen[:-1]])]
+        probs, order = torch.softmax(along, -1).sort(-1, descending=True)
+        q = torch.stack(qs).gather(1, order) if qs else None
+        return Walk(path=ids.gather(1, chosen[:, None])[:, 0], candidates=ids.gather(1, order), probs=probs,
+                    chosen=(order == chosen[:, None]).int().argmax(-1), q=q, ids=ids,
+                    given=torch.softmax(scores, -1))
 
 
 # The codebooks' start: the bilinear term is a product of three factors, so at the usual 0.02 a

@@ -110,23 +110,29 @@ class DraftTree:
 
 
 def grow_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: int,
-              branching: int = BRANCHING) -> DraftTree:
+              branching: int = BRANCHING, given: list[list[list[float]]] | None = None) -> DraftTree:
     """The `max_nodes` likeliest nodes, best first.
 
-    probs/ids: [positions][k] the drafter's top-k probabilities (descending) and token ids at
-    block positions 1, 2, ...; a node at depth d gets as children the top `branching` tokens of
-    position d+1 (parallel drafts are marginals: the same candidates under every parent).
+    probs/ids: [positions][k] the drafter's top-k probabilities and token ids at block positions
+    1, 2, ...; a node at depth d gets as children the top `branching` tokens of position d+1.
+    Parallel drafts are marginals: the same candidates and probabilities under every parent.
+    `given` [positions][k][k] conditions them instead (DFlash 2's selector): row r of position
+    d+1's table holds its candidates' probabilities after position d's candidate r (position 1's
+    rows all follow the anchor).
     """
     if max_nodes < 1 or not probs:
         raise ValueError("a draft tree needs at least one node and one position")
-    k = min(branching, len(probs[0]))
+
+    def best(row: list[float]) -> list[int]:
+        return sorted(range(len(row)), key=lambda r: -row[r])[:branching]
+
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
     scores: list[float] = []
     # (-score, order, depth, candidate rank, parent): `order` breaks ties first come, first served.
-    heap = [(-probs[0][r], r, 1, r, -1) for r in range(k)]
-    order = k
+    heap = [(-probs[0][r], i, 1, r, -1) for i, r in enumerate(best(probs[0]))]
+    order = len(heap)
     while heap and len(tokens) < max_nodes:
         neg, _, d, r, parent = heapq.heappop(heap)
         tokens.append(int(ids[d - 1][r]))
@@ -135,8 +141,9 @@ def grow_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: int,
         scores.append(-neg)
         if d < len(probs):
             node = len(tokens) - 1
-            for r2 in range(k):
-                heapq.heappush(heap, (neg * probs[d][r2], order, d + 1, r2, node))
+            row = probs[d] if given is None else given[d][r]
+            for r2 in best(row):
+                heapq.heappush(heap, (neg * row[r2], order, d + 1, r2, node))
                 order += 1
     return DraftTree(tokens, parents, depths, scores)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .dflash2 import Walk
 from .draft_tree import BRANCHING
 from .drafter import DFlashDrafter
 from .events import DraftStep
@@ -27,7 +28,7 @@ class Draft:
     confidence: torch.Tensor | None = None
     # First-step top-k probabilities and token ids [B-1, k], the candidates of a draft tree
     top: tuple[torch.Tensor, torch.Tensor] | None = None
-    selector: bool = False  # DFlash 2: `top` holds the candidate selector's candidates, `tokens` its path
+    selector: Walk | None = None  # DFlash 2: the candidate selector's walk (`tokens` is its path, `top` its rows)
 
     def history(self) -> list[DraftStep]:
         """The denoising steps as plain lists, for the block's event (one transfer for them all)."""
@@ -127,17 +128,17 @@ class BlockDrafter:
     def walk(self, tokens: torch.Tensor, start: int, context: torch.Tensor | None, cache: object,
              sampler: Sampler) -> Draft:
         """DFlash 2: one pass, then the path the candidate selector walks through each position's
-        top-k (the engine refuses more denoising steps). Its candidates, best score first given
-        the path so far, are the tree's; when sampling, q is the selector's softmax on them."""
+        top-k (the engine refuses more denoising steps); trees read its walk (`selector`); when
+        sampling, q is the selector's softmax on each position's candidates."""
         hidden = self.drafter.step(self.target.embed(tokens[None]), start, cache, context)[0, 1:]
         temperature = 0.0 if sampler.greedy else sampler.temperature
         w = self.drafter.candidate_selector.walk(hidden, self.logits(hidden), int(tokens[0]), self.vocab,
                                                   temperature, sampler.generator)
-        chosen = (w.probs * (w.candidates == w.path[:, None])).sum(-1)
+        chosen = w.probs.gather(1, w.chosen[:, None])[:, 0]
         q = None
         if w.q is not None:
             q = w.q.new_zeros(len(w.path), self.target.vocab_size).scatter_(1, w.candidates, w.q)
         return Draft(tokens=w.path, probs=chosen, q=q,
                      steps=[(w.path, chosen, torch.ones_like(w.path, dtype=torch.bool))],
                      confidence=w.probs[:, 0], top=(w.probs[:, :BRANCHING], w.candidates[:, :BRANCHING]),
-                     selector=True)
+                     selector=w)

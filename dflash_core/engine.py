@@ -125,7 +125,7 @@ class Engine:
             step.committed(result, kept)
             yield self._event(index, start, result, kept, out)
             start += len(result.tokens)
-        yield tally.finish(reason, out, self.target, cfg.stop)
+        yield tally.finish(reason, out, self.target, cfg.stop, step.draft_s)
 
     # ----- choosing a reply's step -----
 
@@ -284,7 +284,6 @@ class _Tally:
     prefill_s: float
     t0: float
     warnings: list[str]
-    draft_s: float = 0.0
     verify_s: float = 0.0
     blocks: int = 0
 
@@ -292,13 +291,12 @@ class _Tally:
         self.accepted: list[int] = []
 
     def add(self, result: BlockResult) -> None:
-        self.draft_s += result.draft_ms / 1e3
         self.verify_s += result.verify_ms / 1e3
         self.blocks += 1
         if result.drafted:
             self.accepted.append(result.accepted)
 
-    def finish(self, reason: str, ids: list[int], target: Target, stop: tuple[str, ...]) -> Finished:
+    def finish(self, reason: str, ids: list[int], target: Target, stop: tuple[str, ...], draft_s: float) -> Finished:
         elapsed = time.perf_counter() - self.t0
         text = target.decode(ids)
         for s in stop:
@@ -307,5 +305,5 @@ class _Tally:
         return Finished(
             reason=reason, token_ids=ids, text=text, prompt_tokens=self.prompt_tokens, blocks=self.blocks,
             tau=tau(self.accepted), elapsed_s=elapsed, tokens_per_s=len(ids) / elapsed if elapsed > 0 else 0.0,
-            draft_s=self.draft_s, verify_s=self.verify_s, prefill_s=self.prefill_s, warnings=self.warnings,
+            draft_s=draft_s, verify_s=self.verify_s, prefill_s=self.prefill_s, warnings=self.warnings,
         )

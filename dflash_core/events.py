@@ -44,6 +44,7 @@ class TreeNode:
     # choice); None for a guess outside the drafter's top-k
     prob: float | None = None
     rank: int | None = None
+    selector_path: bool = False  # DFlash 2: on the path the candidate selector walked (its chain)
 
 
 @dataclass

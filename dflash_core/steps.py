@@ -73,6 +73,11 @@ class PlainStep:
     def committed(self, result: BlockResult, kept: list[int]) -> None:
         """What the reply kept of `result` (less where it stopped)."""
 
+    @property
+    def draft_s(self) -> float:
+        """The reply's drafting time so far."""
+        return 0.0
+
 
 class DraftingStep(PlainStep):
     """What chain and tree steps share: the drafter's side of a block, the `pace` that sizes it,
@@ -82,6 +87,10 @@ class DraftingStep(PlainStep):
                  layer_ids: list[int], pace: Pace, rollback: int = 0) -> None:
         super().__init__(target, cache_len, sampler, rollback)
         self.draft, self.draft_cache, self.layer_ids, self.pace = draft, draft_cache, layer_ids, pace
+
+    @property
+    def draft_s(self) -> float:
+        return self.pace.draft_s  # summed once, where block sizing reads its running mean
 
     def resting_block(self, anchor: int) -> BlockResult:
         t0 = time.perf_counter()
@@ -164,7 +173,6 @@ class TreeStep(DraftingStep):
         self.max_nodes, self.lookup, self.corpus = max_nodes, lookup, corpus
         self.rates = LookupRates()
         self.guess: tuple[int, list[int]] = (0, [])
-        self.texts: dict[int, str] = {}  # token id -> its text, decoded once per reply for the tree's picture
 
     def block(self, anchor: int, start: int) -> BlockResult:
         if self.pace.resting:
@@ -194,16 +202,16 @@ class TreeStep(DraftingStep):
 
     def picture(self, tree: DraftTree, walked: list[int], tok: int, draft: Draft) -> CandidateTree:
         """The checked tree as plain data for the block's event: what the app draws."""
-        new = list(dict.fromkeys(t for t in (*tree.tokens, tok) if t not in self.texts))
-        if new:
-            self.texts.update(zip(new, self.target.token_strings(new), strict=True))
+        texts = dict(zip(tree.tokens, self.target.token_strings(tree.tokens), strict=True))
         ranked = drafter_ranks(draft)
-        nodes = []
+        path = draft.tokens.tolist() if draft.selector is not None else []
+        nodes: list[TreeNode] = []
         for i, (t, parent, depth, score) in enumerate(zip(tree.tokens, tree.parents, tree.depths, tree.scores,
                                                           strict=True)):
             prob, rank = ranked.get((depth, t), (None, None))
-            nodes.append(TreeNode(parent, depth, t, self.texts[t], tree.source(i), score, prob, rank))
-        return CandidateTree(nodes, list(walked), self.texts[tok])
+            on_path = depth <= len(path) and t == path[depth - 1] and (parent < 0 or nodes[parent].selector_path)
+            nodes.append(TreeNode(parent, depth, t, texts[t], tree.source(i), score, prob, rank, on_path))
+        return CandidateTree(nodes, list(walked), self.target.token_strings([tok])[0])
 
     def verify(self, anchor: int, tree: DraftTree) -> tuple[list[int], list[int], int]:
         """One target pass over [anchor, tree]; the target's own choice at every node (argmax, or
@@ -231,19 +239,22 @@ class TreeStep(DraftingStep):
 
 def selector_choices(draft: Draft) -> list[tuple[list[int], list[float], int]] | None:
     """A DFlash 2 draft's candidates per position and the selector's pick, as plain data."""
-    if not draft.selector or draft.top is None:
+    w = draft.selector
+    if w is None:
         return None
-    probs, ids = draft.top
-    return [(row, p, row.index(t) if t in row else -1)
-            for row, p, t in zip(ids.tolist(), probs.tolist(), draft.tokens.tolist(), strict=True)]
+    return list(zip(w.candidates.tolist(), w.probs.tolist(), w.chosen.tolist(), strict=True))
 
 
 def candidate_tree(draft: Draft, max_nodes: int) -> DraftTree:
     """The candidates of a block, best first. A draft without top-k candidates (a test's forced
-    draft) is a chain: one candidate per position."""
+    draft) is a chain: one candidate per position. A DFlash 2 draft ranks each node's children
+    after the node's own token, so its selector's path is the tree's main line."""
     if draft.top is None:
         toks, probs = draft.tokens.tolist(), draft.probs.tolist()
         return grow_tree([[p**DRAFTER_CALIBRATION] for p in probs], [[t] for t in toks], max_nodes)
+    if draft.selector is not None:
+        given = draft.selector.given.pow(DRAFTER_CALIBRATION)
+        return grow_tree(given[:, 0].tolist(), draft.selector.ids.tolist(), max_nodes, given=given.tolist())
     top_p, top_i = draft.top
     return grow_tree(top_p.pow(DRAFTER_CALIBRATION).tolist(), top_i.tolist(), max_nodes)
 

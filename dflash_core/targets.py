@@ -177,6 +177,7 @@ class Target:
 
     def __post_init__(self) -> None:
         self.model.eval()
+        self._token_texts: dict[int, str] = {}
         params = inspect.signature(self.model.forward).parameters
         # transformers 5.2x renamed `past_key_values` to `cache`; accept both.
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -266,7 +267,12 @@ class Target:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def token_strings(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+        """Each token's own text (the app shows ~120 candidates per DFlash 2 block; decoded once each)."""
+        texts = self._token_texts
+        for i in ids:
+            if i not in texts:
+                texts[i] = self.tokenizer.decode([i], skip_special_tokens=False)
+        return [texts[i] for i in ids]
 
     # --- maths ---
     def new_cache(self, max_len: int, rollback: int = 0) -> TargetCache | HybridTargetCache:

@@ -4,6 +4,8 @@
 #   bash scripts/serve_vllm.sh --draft runs/drafter-a --port 8001 [-- extra vLLM flags]
 #   bash scripts/serve_vllm.sh --draft none          # no speculation: vLLM's plain decoding, a baseline
 #   bash scripts/serve_vllm.sh --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16   # a GPU build of vLLM
+# A DFlash 2 folder (DFlash2DraftModel) takes the same method, "dflash": vLLM picks its DFlash 2 speculator
+# by the architecture, in its Triton-based V2 model runner only (a GPU build; the CPU build refuses it).
 # Needs .venv-vllm (bash scripts/setup.sh --vllm). Greedy replies equal `generate --plain`, and the
 # acceptance vLLM reports (/metrics) equals our chain tau: tests/test_vllm_serving.py checks both.
 # Environment: VLLM_PYTHON (default .venv-vllm/bin/python), VLLM_DTYPE (default float32: the dtype our

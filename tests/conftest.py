@@ -27,6 +27,11 @@ if os.environ.get("DFLASH_TEST_THREADS"):
 # and adaptive chains from these; tests of the measuring itself unpin them.
 CPU_LIKE = VerifyCost((1, 2, 4, 16), (60.0, 69.0, 90.0, 138.0))
 PINNED_COSTS = PassCosts(chain=CPU_LIKE, tree=CPU_LIKE, draft_ms=8.0)
+# Module- and session-scoped fixtures are set up before any test's own fixtures: pinned for them too
+# (a module's sampled replies once measured their pass costs, so the same seed drew other tokens
+# when the machine was busy).
+Engine.pinned_costs = PINNED_COSTS
+Engine.fit_threads = False
 
 
 @pytest.fixture(autouse=True)

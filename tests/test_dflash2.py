@@ -208,3 +208,30 @@ def test_the_step_panel_and_how_it_works_show_the_selectors_choices(target: Targ
     step.start(session, Engine(target, copy.deepcopy(shipped).to(target.dtype)), PROMPTS[0],
                GenerationConfig(max_new_tokens=8))
     assert "candidate selector" not in step.step_html(step.advance(session), session)
+
+
+def test_the_tree_picture_marks_the_selectors_path(target: Target, shipped: DFlashDrafter) -> None:
+    from app.tree_view import SELECTOR_PATH, picture, tree_figure
+
+    engine = Engine(target, perturbed_upgrade(shipped).to(target.dtype))
+    events, _ = reply(engine, PROMPTS[1], 32, verify="tree", lookup=False)
+    blocks = [e for e in events if e.tree is not None]
+    assert blocks
+    for ev in blocks:
+        assert ev.tree is not None
+        path = [i for i, n in enumerate(ev.tree.nodes) if n.selector_path]
+        # The path hangs from the anchor, one node per position, each the selector's choice there
+        assert [ev.tree.nodes[i].depth for i in path] == list(range(1, len(path) + 1))
+        assert [ev.tree.nodes[i].parent for i in path] == [-1, *path[:-1]]
+        assert ev.selector is not None
+        assert [ev.tree.nodes[i].token for i in path] == [c.tokens[c.chosen] for c in ev.selector][: len(path)]
+        if path:  # the tree grows best first, so the selector's path is its main line
+            assert path[0] == 0
+        pic = picture(ev)
+        assert pic is not None and [i for i, n in enumerate(pic.nodes) if n.selector_path] == path
+        names = [t.name for t in tree_figure(ev).data]
+        assert (SELECTOR_PATH in names) == bool(path)
+    assert any(n.selector_path for ev in blocks for n in ev.tree.nodes if ev.tree is not None)
+    # DFlash 1 trees have no selector
+    events, _ = reply(Engine(target, copy.deepcopy(shipped).to(target.dtype)), PROMPTS[1], 16, verify="tree")
+    assert not any(n.selector_path for e in events if e.tree is not None for n in e.tree.nodes)

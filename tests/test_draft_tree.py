@@ -47,6 +47,19 @@ def test_tree_grows_best_first() -> None:
         grow_tree(PROBS, IDS, max_nodes=0)
 
 
+def test_conditioned_rows_rank_each_nodes_children_after_its_token() -> None:
+    """DFlash 2: position 2's candidates in another order after each of position 1's."""
+    given = [[[0.6, 0.4], [0.6, 0.4]], [[0.9, 0.1], [0.2, 0.8]]]
+    ids = [[10, 11], [20, 21]]
+    tree = grow_tree([given[0][0], [0.5, 0.5]], ids, max_nodes=4, given=given)  # the marginals go unused
+    # 10 .6, 10>20 .54, 11 .4, 11>21 .32 (as marginals: 11>20 .2 and 11>21 .2)
+    assert list(zip(tree.tokens, tree.parents, strict=True)) == [(10, -1), (20, 0), (11, -1), (21, 2)]
+    assert tree.scores == pytest.approx([0.6, 0.54, 0.4, 0.32])
+    # A row in logit order, not by probability: its best children still come first
+    tree = grow_tree([[0.3, 0.7]], [[10, 11]], max_nodes=2, branching=1, given=[[[0.3, 0.7]]])
+    assert tree.tokens == [11]
+
+
 def test_engine_trees_score_calibrated_drafter_probabilities() -> None:
     """A block's tree scores each node by its path's drafter probabilities raised to
     DRAFTER_CALIBRATION: lower than the raw products, in the same order."""

@@ -158,6 +158,9 @@ def check_events(events: Sequence[BlockEvent], fin: Finished, *, prompt_len: int
     assert len(total) == events[-1].tokens_so_far
     assert fin.blocks == len(events) - 1
     assert fin.prompt_tokens == prompt_len
+    # The reply's drafting and verifying times are its blocks' (the prefill is apart)
+    assert fin.draft_s == pytest.approx(sum(e.draft_ms for e in events[1:]) / 1e3)
+    assert fin.verify_s == pytest.approx(sum(e.verify_ms for e in events[1:]) / 1e3)
     out = fin.token_ids
     assert total == out  # no overshoot: the last event was already cut where decoding stops
     assert len(out) <= max_new

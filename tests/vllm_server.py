@@ -29,6 +29,15 @@ needs_vllm = pytest.mark.skipif(
     reason=f"vLLM's CPU build is not installed ({VLLM_PYTHON} is missing): run bash scripts/setup.sh --vllm")
 
 
+class ServerExited(RuntimeError):
+    """The server exited before answering: fails the test with its log's tail, unless a test catches
+    it to read `log` (the whole log) for a refusal it expects."""
+
+    def __init__(self, code: int, log: str) -> None:
+        super().__init__(f"the vLLM server exited with {code} before answering:\n{_tail(log)}")
+        self.log = log
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM to the server's whole process group (the API server and its engine core), then SIGKILL."""
     if proc.poll() is not None:
@@ -44,12 +53,13 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def vllm_server(*script_args: str) -> Iterator[ServerClient]:
-    """`bash scripts/serve_vllm.sh --port P <script_args> -- --enforce-eager` on the loopback; yields a
-    client once /v1/models answers. Fails the test with the log's tail if the server dies or is not
-    up within START_TIMEOUT_S."""
+def vllm_server(*script_args: str, extra_env: dict[str, str] | None = None) -> Iterator[ServerClient]:
+    """`bash scripts/serve_vllm.sh --port P <script_args> -- --enforce-eager` on the loopback (`extra_env`
+    added to its environment); yields a client once /v1/models answers. Fails the test with the log's
+    tail if the server is not up within START_TIMEOUT_S, or dies first (ServerExited)."""
     port = free_port()
-    env = {**os.environ, "VLLM_PYTHON": str(VLLM_PYTHON), "VLLM_DTYPE": "float32",  # what exactness compares
+    env = {**os.environ, **(extra_env or {}), "VLLM_PYTHON": str(VLLM_PYTHON),
+           "VLLM_DTYPE": "float32",  # what exactness compares
            # Our own processes share the cores with the server: it gets what the tests get.
            "OMP_NUM_THREADS": os.environ.get("DFLASH_TEST_THREADS", "2")}
     log = tempfile.NamedTemporaryFile(prefix="vllm-", suffix=".log", delete=False)  # noqa: SIM115 (its tail explains a failed start)
@@ -62,13 +72,13 @@ def vllm_server(*script_args: str) -> Iterator[ServerClient]:
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"the vLLM server exited with {proc.returncode} before answering:\n{_tail(log.name)}")
+                raise ServerExited(proc.returncode, _read(log.name))
             try:
                 client.info()
                 break
             except DFlashError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"the vLLM server did not answer within {START_TIMEOUT_S} s:\n{_tail(log.name)}")
+                    pytest.fail(f"the vLLM server did not answer within {START_TIMEOUT_S} s:\n{_tail(_read(log.name))}")
                 time.sleep(2)
         yield client
     finally:
@@ -77,7 +87,11 @@ def vllm_server(*script_args: str) -> Iterator[ServerClient]:
         os.unlink(log.name)
 
 
-def _tail(path: str, lines: int = 40) -> str:
-    text = [line for line in Path(path).read_text(errors="replace").splitlines()
-            if not line.startswith("WARNING: Location")]  # pip's notes about this machine's package mirror
-    return "\n".join(text[-lines:])
+def _read(path: str) -> str:
+    text = Path(path).read_text(errors="replace").splitlines()
+    # pip's notes about this machine's package mirror
+    return "\n".join(line for line in text if not line.startswith("WARNING: Location"))
+
+
+def _tail(log: str, lines: int = 40) -> str:
+    return "\n".join(log.splitlines()[-lines:])
