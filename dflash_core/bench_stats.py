@@ -17,6 +17,7 @@ hand-made results. How each number is computed (the reports repeat this):
 
 from __future__ import annotations
 
+import os
 import re
 import statistics
 from collections.abc import Sequence
@@ -263,8 +264,12 @@ HF_DFLASH_LEGEND = (
     "vocabulary is not part of that layout); tau from the tokens each of its target forwards committed")
 
 
-DOCS_LEGEND = ("columns, method names (`-full`, `-adaptive`, `-tree`, `-lookup`, `hf-dflash`) and `bound`: "
-               "[docs/benchmarks.md](docs/benchmarks.md#what-the-columns-mean)")
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"  # where the columns are explained
+
+
+def docs_legend(link: str = "docs/benchmarks.md") -> str:
+    return ("columns, method names (`-full`, `-adaptive`, `-tree`, `-lookup`, `hf-dflash`) and `bound`: "
+            f"[docs/benchmarks.md]({link}#what-the-columns-mean)")
 
 
 def legend(summary: dict[str, Any]) -> list[str]:
@@ -325,8 +330,9 @@ def prompt_count(summary: dict[str, Any]) -> str:
     return f"{summary['prompts']} prompts" + (f" after the first {skip}" if skip else "")
 
 
-def markdown_table(summary: dict[str, Any]) -> str:
-    """The README's results block: what ran where, the command, the table, how it is computed."""
+def markdown_table(summary: dict[str, Any], docs_link: str = "docs/benchmarks.md") -> str:
+    """The README's results block: what ran where, the command, the table, how it is computed
+    (`docs_link`: the columns' explanation, relative to the file the block goes in)."""
     names, n_prompts = summary["methods"], summary["prompts"]
     lines = [
         f"Measured {summary.get('date', '?')} on {hardware(summary)}, {summary.get('dtype', '?')}, "
@@ -344,7 +350,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     for n in names:
         lines.append(f"| `{n}` | " + " | ".join(row_cells(summary["per_method"][n], n_prompts)) + " |")
     # The README keeps one line of legend per table; the columns are explained once, in the docs.
-    lines += ["", f"- {DOCS_LEGEND}", f"- {legend(summary)[-1]}"]
+    lines += ["", f"- {docs_legend(docs_link)}", f"- {legend(summary)[-1]}"]
     return "\n".join(lines)
 
 
@@ -390,7 +396,8 @@ def write_readme(path: str | Path, summary: dict[str, Any]) -> Path:
     region = region_name(summary.get("prompt_set"), summary.get("temperature") or 0.0)
     check_readme(path, region)
     text = path.read_text(encoding="utf-8")
-    return write_text_atomic(path, replace_region(text, markdown_table(summary), *readme_markers(text, region)))
+    link = os.path.relpath(DOCS, path.resolve().parent)
+    return write_text_atomic(path, replace_region(text, markdown_table(summary, link), *readme_markers(text, region)))
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:

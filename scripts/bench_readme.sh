@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Every benchmark result the README shows, measured again by one command:
-#   - the 5-prompt tables (HumanEval, GSM8K, GSM8K at temperature 1): each command is read from
-#     its table's own "Regenerate:" line in README.md and rewrites that table (--readme), its JSON
-#     in bench/ and an HTML report in runs/;
+#   - the 5-prompt tables (HumanEval, GSM8K, MT-Bench first turns in README.md; GSM8K at temperature 1
+#     in docs/benchmarks.md): each command is read from its table's own "Regenerate:" line and
+#     rewrites that table (--readme), its JSON in bench/ and an HTML report in runs/;
 #   - the 40-prompt runs of the default against plain decoding (bench/humaneval-40.json,
 #     bench/gsm8k-40.json), which the README quotes in prose.
 # About 45 minutes on a 2-core CPU; the commands run one after another, never side by side, so
@@ -15,7 +15,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 
-mapfile -t commands < <(sed -n 's/^Regenerate: `\(python -m dflash_core bench [^`]*\)`$/\1/p' README.md)
+# README.md's tables, then docs/benchmarks.md's (the sampled run)
+mapfile -t commands < <(sed -n 's/^Regenerate: `\(python -m dflash_core bench [^`]*\)`$/\1/p' README.md \
+    $([ -f docs/benchmarks.md ] && echo docs/benchmarks.md))
 if [ "${#commands[@]}" -eq 0 ]; then
     echo "bench_readme.sh: no 'Regenerate:' lines in README.md" >&2
     exit 2
