@@ -267,7 +267,7 @@ HF_DFLASH_LEGEND = (
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"  # where the columns are explained
 
 
-def docs_legend(link: str = "docs/benchmarks.md") -> str:
+def docs_legend(link: str) -> str:
     return ("columns, method names (`-full`, `-adaptive`, `-tree`, `-lookup`, `hf-dflash`) and `bound`: "
             f"[docs/benchmarks.md]({link}#what-the-columns-mean)")
 

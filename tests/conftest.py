@@ -27,17 +27,12 @@ if os.environ.get("DFLASH_TEST_THREADS"):
 # and adaptive chains from these; tests of the measuring itself unpin them.
 CPU_LIKE = VerifyCost((1, 2, 4, 16), (60.0, 69.0, 90.0, 138.0))
 PINNED_COSTS = PassCosts(chain=CPU_LIKE, tree=CPU_LIKE, draft_ms=8.0)
-# Module- and session-scoped fixtures are set up before any test's own fixtures: pinned for them too
-# (a module's sampled replies once measured their pass costs, so the same seed drew other tokens
-# when the machine was busy).
+# Pinned for the whole session, not by a per-test fixture: module- and session-scoped fixtures are
+# set up before any test's own (a module's sampled replies once measured their pass costs, so the
+# same seed drew other tokens when the machine was busy). Tests that unpin them use monkeypatch,
+# which restores these. Nor may the thread count follow the machine's load.
 Engine.pinned_costs = PINNED_COSTS
 Engine.fit_threads = False
-
-
-@pytest.fixture(autouse=True)
-def pinned_costs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Engine, "pinned_costs", PINNED_COSTS)
-    monkeypatch.setattr(Engine, "fit_threads", False)  # the thread count must not follow the machine's load
 
 
 @pytest.fixture(scope="session")
