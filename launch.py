@@ -26,7 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target", default=None, help="target LLM: hub id or folder (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="DFlash drafter: hub id or folder, or 'none' for plain decoding")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="auto, bf16, fp16 or fp32 (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--dtype", default=None, help="auto, bf16, fp16 or fp32 (default: bf16 on a GPU and on CPUs "
+                   "with bf16 units, AMX or AVX512-BF16; fp32 on other CPUs)")
     p.add_argument("--host", default=hosting.default_host(),
                    help="address to listen on (0.0.0.0 for all interfaces; default: $GRADIO_SERVER_NAME or 127.0.0.1)")
     p.add_argument("--port", type=int, default=hosting.default_port(), help="default: $GRADIO_SERVER_PORT or 7860")

@@ -258,6 +258,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from .server_bench import open_server, server_method
 
         server = open_server(args.server)
+    if args.pinned_costs:
+        from .engine import Engine
+        from .verify_length import REFERENCE_CPU_COSTS
+
+        Engine.pinned_costs, Engine.fit_threads = REFERENCE_CPU_COSTS, False
     engine = load_engine(args)
     assert engine.drafter is not None
     methods = bench.make_methods(engine, [s.name for s in specs], config)
@@ -281,6 +286,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "device": str(engine.target.device),
         "dtype": str(engine.target.dtype).removeprefix("torch."),
         "command": bench_command(args),
+        "pass_costs": "pinned (REFERENCE_CPU_COSTS)" if args.pinned_costs else "measured",
         **({"server": server.url, "server_model": server.info().model} if server is not None else {}),
         **bench.environment(engine),
     })
@@ -335,6 +341,11 @@ def add_bench(sub: argparse._SubParsersAction) -> None:
                    help="also run the prompts through an OpenAI-compatible DFlash server (vLLM, SGLang) as the "
                         "method 'server': its tok/s timed here, its tau from its own counters (docs/serving.md) "
                         "(default: none)")
+    p.add_argument("--pinned-costs", action="store_true",
+                   help="size blocks and trees from a fixed table of pass costs (verify_length.REFERENCE_CPU_COSTS) "
+                        "instead of this machine's, on a fixed thread count: tau and the blocks then do not "
+                        "depend on the machine's load, to compare drafters; speed-ups are no longer this "
+                        "machine's best")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_bench)
 

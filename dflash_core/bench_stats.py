@@ -312,7 +312,9 @@ def format_table(summary: dict[str, Any]) -> str:
         f"{summary['target']} · draft: {summary['draft']}",
         f"{summary['device']} {summary['dtype']} · {summary.get('target_forward', 'transformers forward')} · "
         f"block {summary['block_size']} · steps {summary['steps']} · "
-        f"T={summary['temperature']:g} · max {summary['max_new_tokens']} new tokens · {prompt_count(summary)}",
+        f"T={summary['temperature']:g} · max {summary['max_new_tokens']} new tokens · {prompt_count(summary)}"
+        + (" · pass costs pinned (tau independent of load)" if summary.get("pass_costs", "").startswith("pinned")
+           else ""),
         rule, *rows, rule, *legend(summary),
         f"mismatches {summary['mismatches']} ({exact})",
     ])

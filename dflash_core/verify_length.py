@@ -185,6 +185,12 @@ class PassCosts:
     rest: bool = False  # whether `Pace` may stop drafting (most tests keep every block drafted)
 
 
+# Pass costs of the embedded target measured once on a 2-core AMD EPYC (bf16, 2 threads): what
+# `bench --pinned-costs` sizes blocks with, so that drafters compare by tau whatever the load.
+REFERENCE_CPU_COST = VerifyCost((1, 2, 4, 16, 32), (33.0, 36.0, 40.0, 52.0, 75.0))
+REFERENCE_CPU_COSTS = PassCosts(chain=REFERENCE_CPU_COST, tree=REFERENCE_CPU_COST, draft_ms=6.0, rest=True)
+
+
 class Pace:
     """Sizes one reply's blocks: how many candidates a block verifies (those that pay for their
     share of the pass, `choose_prefix`) and how far the next block drafts (`next_draft_length`).

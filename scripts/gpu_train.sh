@@ -152,6 +152,8 @@ DATA+=,data/smollm2-pycode*2,data/smollm2-pycode-b*2,data/smollm2-pycode-c*2,dat
 # The first lease's replies (2026-12-04), in the repository since
 DATA+=,data/smollm2-sharegpt-h200,data/smollm2-math-h200,data/smollm2-pycode-numpy*2
 DATA+=,data/smollm2-pycode-requests*2,data/smollm2-pycode-stdlib312*2
+# Chat from the package index's prompt collections (IFBench's WildChat requests, ChatterBot's questions)
+DATA+=,data/smollm2-ifbench*2,data/smollm2-chatterbot
 for dir in "$NEW"/*/; do
   dir=${dir%/}
   compgen -G "$dir/shard-*.jsonl.gz" >/dev/null || continue

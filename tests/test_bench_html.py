@@ -94,3 +94,27 @@ def test_engine_package_imports_neither_plotly_nor_the_app() -> None:
     assert done.stdout.strip() == "False False"
 
 
+
+
+def test_bench_with_pinned_costs_sizes_blocks_from_the_reference_table(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--pinned-costs: blocks and trees sized from the reference table (not this machine's) on a
+    fixed thread count, so two runs verify the same blocks; the report and the table say so."""
+    from dflash_core.engine import Engine
+    from dflash_core.verify_length import REFERENCE_CPU_COSTS
+
+    monkeypatch.setattr(Engine, "pinned_costs", Engine.pinned_costs)  # restored after the test
+    monkeypatch.setattr(Engine, "fit_threads", Engine.fit_threads)
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "List the days of the week."}])
+    hists = []
+    for k in range(2):
+        argv = ["bench", "--set", str(prompts), "--max-new-tokens", "40", "--warmup", "0", "--pinned-costs",
+                "--methods", "plain,dflash-b16-tree-lookup", "--json", str(tmp_path / f"r{k}.json"), "--device",
+                "cpu", "--no-progress"]
+        rc, out, err = run(capsys, *argv)
+        assert rc == 0, err
+        assert Engine.pinned_costs is REFERENCE_CPU_COSTS and Engine.fit_threads is False
+        s = json.loads((tmp_path / f"r{k}.json").read_text())["summary"]
+        assert s["pass_costs"].startswith("pinned") and "pass costs pinned" in out and s["mismatches"] == 0
+        hists.append(s["per_method"]["dflash-b16-tree-lookup"]["tau_hist"])
+    assert hists[0] == hists[1] and sum(hists[0]) > 1

@@ -16,7 +16,14 @@ from dflash_core.__main__ import main
 from dflash_core.batch_invariant import cpu_has_bf16_units
 from dflash_core.drafter import DFlashDrafter, init_weights, load_drafter
 from dflash_core.drafter_config import check_fit, config_for_target
-from dflash_core.train.batch import HeadSubset, PaddedBatch, batch_forward, collate, context_features
+from dflash_core.train.batch import (
+    HeadSubset,
+    PaddedBatch,
+    batch_forward,
+    collate,
+    context_features,
+    features_and_final,
+)
 from dflash_core.train.recipe import IGNORE, build_blocks
 from dflash_core.train.shards import iter_samples
 from dflash_core.train.state import STATE_NAME
@@ -218,6 +225,53 @@ def test_head_subset_is_the_full_head_restricted(target_fp32) -> None:
     torch.testing.assert_close(sub.logits, full.logits[inside][:, head.keep], rtol=1e-5, atol=1e-5)
     assert torch.equal(head.keep[sub.labels], full.labels[inside])
     assert torch.equal(sub.slots, full.slots[inside]) and torch.equal(sub.weights, full.weights[inside])
+
+
+def test_distillation_learns_the_targets_own_next_token_distribution(target_fp32) -> None:
+    """The teacher at each labelled position is the target's logits after the tokens before it
+    (so on the target's own greedy reply its argmax is the label), the features read beside it
+    are the context's, and the loss mixes the label's and the distribution's cross entropy."""
+    prompt = torch.tensor(target_fp32.tokenizer("The three primary colours are")["input_ids"])
+    with torch.no_grad():
+        seq = target_fp32.model.generate(prompt[None], max_new_tokens=30, do_sample=False)[0]
+    n = prompt.shape[0]
+    anchors = [[n, n + 9, n + 20], [n + 3]]
+    drafter, _, _, _ = tiny_batch(target_fp32, 4, 0, 400, [[5]], (10,))
+    layers = drafter.config.target_layer_ids
+    batch = collate([(seq, anchors[0]), (seq[: n + 14], anchors[1])], 8, 0)
+    assert batch.ahead is not None and batch.ahead.shape == (2, batch.context_len + 7)
+    feats, final = features_and_final(target_fp32, batch, layers)
+    torch.testing.assert_close(feats, context_features(target_fp32, batch.ids, layers), rtol=1e-4, atol=1e-4)
+    counts = torch.zeros(target_fp32.vocab_size).index_add_(0, seq, torch.ones(seq.shape[0]))
+    counts[100:600] += 1  # a head of the reply's tokens and others
+    outs = []
+    for head in (None, HeadSubset(counts, 400)):
+        out = batch_forward(drafter, target_fp32, batch, feats, head=head, final=final, distill=0.25)
+        outs.append(out)
+        assert out.teacher is not None and out.teacher.shape == out.logits.shape
+        with torch.no_grad():
+            ref = target_fp32.model(input_ids=seq[None]).logits[0]
+        prev = batch.positions[batch.labels != IGNORE] - 1
+        if head is None:
+            torch.testing.assert_close(out.teacher, ref[prev], rtol=1e-3, atol=1e-3)
+        assert torch.equal(out.teacher.argmax(-1), out.labels)  # the reply is the target's own greedy one
+        hard = torch.nn.functional.cross_entropy(out.logits.float(), out.labels, reduction="none")
+        soft = torch.nn.functional.cross_entropy(out.logits.float(), out.teacher.float().softmax(-1),
+                                                 reduction="none")
+        mix = ((0.75 * hard + 0.25 * soft) * out.weights).sum() / out.weights.sum()
+        assert float(out.loss().detach()) == pytest.approx(float(mix.detach()), rel=1e-5)
+        assert not torch.allclose(hard, soft)
+    plain = batch_forward(drafter, target_fp32, batch, feats)
+    assert plain.teacher is None
+    torch.testing.assert_close(plain.logits, outs[0].logits)
+
+
+def test_distillation_needs_online_features_and_a_share(tmp_path: Path, capsys) -> None:
+    for flags, said in ((["--distill", "0.5", "--features", "cache"], "error: --distill needs --features online"),
+                        (["--distill", "1.5", "--features", "online"], "error: --distill is a share of the loss")):
+        assert main(["train", "--data", str(tmp_path / "none"), "--out", str(tmp_path / "run"), *flags]) != 0
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_bf16_autocast_step_follows_fp32(target_fp32, monkeypatch) -> None:

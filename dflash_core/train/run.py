@@ -81,7 +81,12 @@ def start_run(args: argparse.Namespace) -> Run:
         raise DFlashError("--steps 0 (as many as the time allows) needs --max-minutes")
     if args.batch_seqs < 1 or args.anchors_per_seq < 1:
         raise DFlashError("--batch-seqs and --anchors-per-seq must be >= 1")
+    if not 0.0 <= args.distill <= 1.0:
+        raise DFlashError(f"--distill is a share of the loss, between 0 and 1; got {args.distill}")
     features = args.features if args.features != "auto" else ("online" if on_cuda else "cache")
+    if args.distill > 0 and features != "online":
+        raise DFlashError("--distill needs --features online: the target's distribution after each labelled "
+                          "position is computed with the features, and the disk cache keeps features only")
     run = Run(dd, device, out, on_cuda, features, train_autocast(args.autocast, device),
               progress=not args.no_progress and dd.main)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,105 @@
+"""The app's race as a visitor meets it: `launch.py` on the embedded default, headless Chromium on
+the same cores, the race switch ticked, a prompt sent; prints each run's finish line.
+
+    .venv/bin/python scripts/race_in_browser.py [--prompt TEXT] [--max-new-tokens N] [--runs K] [--json OUT]
+
+A measurement, not a test: the finish line's speed-up is what the app reports (each side's tokens
+over its own engine time), so it moves with whatever else the machine runs, the browser included.
+Needs /usr/bin/chromium and the playwright package (scripts/setup.sh --test installs both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = "/usr/bin/chromium"
+PROMPT = "What are three tips for staying productive when working from home?"
+START_TIMEOUT_S = 600  # loading, the first pass-cost calibration and Gradio, on a busy 2-core machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes]) -> float:
+    t0 = time.time()
+    while time.time() - t0 < START_TIMEOUT_S:
+        if proc.poll() is not None:
+            raise SystemExit(f"launch.py exited with {proc.returncode} before it served")
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return time.time() - t0
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"launch.py did not answer within {START_TIMEOUT_S} s")
+
+
+def race_once(page: object, url: str, prompt: str, max_new: int) -> str:
+    page.goto(url)  # a fresh visitor: empty history
+    page.get_by_role("tab", name="Studio").click()
+    box = page.locator('input[aria-label="number input for max new tokens"]')
+    box.fill(str(max_new))
+    box.press("Enter")
+    page.locator("#race-switch input[type=checkbox]").check()
+    page.locator("#prompt textarea").fill(prompt)
+    page.get_by_role("button", name="Send", exact=True).click()
+    page.wait_for_function("/identical|differ|stopped/i.test(document.querySelector('#race-view .race-finish')"
+                           "?.innerText || '')", timeout=START_TIMEOUT_S * 1000)
+    return page.locator("#race-view .race-finish").inner_text().strip()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3, help="races in one app, each from a fresh page")
+    p.add_argument("--json", default=None, help="also write the finish lines and the machine here")
+    args = p.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/"
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+    proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lines: list[str] = []
+    try:
+        up_s = wait_up(url, proc)
+        print(f"app up after {up_s:.0f} s", flush=True)
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox",
+                                                                        "--disable-gpu"])
+            page = browser.new_page(viewport={"width": 1500, "height": 1300})
+            for k in range(args.runs):
+                lines.append(race_once(page, url, args.prompt, args.max_new_tokens))
+                print(f"race {k + 1}: {lines[-1]}", flush=True)
+            browser.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    ratios = [float(m.group(1)) for m in (re.search(r"DFlash ([0-9.]+)×", s) for s in lines) if m]
+    if args.json:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                    if ln.startswith("model name")), "unknown")
+        Path(args.json).write_text(json.dumps({"prompt": args.prompt, "max_new_tokens": args.max_new_tokens,
+                                               "cpu": cpu, "cores": os.cpu_count(), "finish_lines": lines,
+                                               "speedups": ratios, "date": time.strftime("%Y-%m-%d")}, indent=1)
+                                   + "\n")
+    return 0 if len(ratios) == len(lines) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
