@@ -48,6 +48,7 @@
 #   bash scripts/gpu_train.sh --cpu-smoke      # here, no GPU: every step, tiny, on the CPU
 # DFLASH_GPU_ARCH=dflash2 trains a DFlash 2 drafter from the shipped one instead (bench/HISTORY.md:
 # at the same CPU budget its chain and trees beat DFlash 1's; the lease should test that at scale).
+# DFLASH_GPU_DISTILL=W makes a share W of the loss distillation (train --distill; no gain at CPU budgets).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 MODE=gpu
@@ -164,7 +165,8 @@ HARD=$(( $(left) - 5 ))
 TRAIN_MIN=$($PY -c "print(round(max(0.5, ($HARD - 60) / 60), 2))")
 echo "[gpu] $(left) s left: ${TRAIN_MIN} min of training (hard stop after ${HARD} s)"
 # DFLASH_GPU_ARCH=dflash2: a DFlash 2 drafter upgraded from the shipped one (it drafts as it until trained)
-START=(--init from:assets/drafter --keep-draft-vocab --arch "${DFLASH_GPU_ARCH:-dflash}")
+START=(--init from:assets/drafter --keep-draft-vocab --arch "${DFLASH_GPU_ARCH:-dflash}"
+       --distill "${DFLASH_GPU_DISTILL:-0}")
 [ "$MORE" = 1 ] && START=(--resume "${START[@]}")  # the schedule refits to the time left
 if [ "$HARD" -lt 90 ]; then  # `timeout 0` would mean no limit at all, and loading alone takes ~30 s
   echo "[gpu] ${HARD} s is too little to train; nothing trained" >&2
