@@ -14,37 +14,16 @@ import argparse
 import json
 import os
 import re
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak import ROOT, serve  # launch.py on a free loopback port, stopped afterwards
+
 CHROMIUM = "/usr/bin/chromium"
 PROMPT = "What are three tips for staying productive when working from home?"
 START_TIMEOUT_S = 600  # loading, the first pass-cost calibration and Gradio, on a busy 2-core machine
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_up(url: str, proc: subprocess.Popen[bytes]) -> float:
-    t0 = time.time()
-    while time.time() - t0 < START_TIMEOUT_S:
-        if proc.poll() is not None:
-            raise SystemExit(f"launch.py exited with {proc.returncode} before it served")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as r:
-                if r.status == 200:
-                    return time.time() - t0
-        except OSError:
-            time.sleep(1)
-    raise SystemExit(f"launch.py did not answer within {START_TIMEOUT_S} s")
 
 
 def race_once(page: object, url: str, prompt: str, max_new: int) -> str:
@@ -70,26 +49,17 @@ def main() -> int:
     args = p.parse_args()
     from playwright.sync_api import sync_playwright
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/"
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
-    proc = subprocess.Popen([sys.executable, "launch.py", "--port", str(port)], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lines: list[str] = []
-    try:
-        up_s = wait_up(url, proc)
-        print(f"app up after {up_s:.0f} s", flush=True)
+    with serve(ROOT / "artifacts" / "race_in_browser.log", timeout=START_TIMEOUT_S) as server:
+        print(f"app up after {server.startup_s:.0f} s", flush=True)
         with sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox",
                                                                         "--disable-gpu"])
             page = browser.new_page(viewport={"width": 1500, "height": 1300})
             for k in range(args.runs):
-                lines.append(race_once(page, url, args.prompt, args.max_new_tokens))
+                lines.append(race_once(page, server.url, args.prompt, args.max_new_tokens))
                 print(f"race {k + 1}: {lines[-1]}", flush=True)
             browser.close()
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
     ratios = [float(m.group(1)) for m in (re.search(r"DFlash ([0-9.]+)×", s) for s in lines) if m]
     if args.json:
         cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()

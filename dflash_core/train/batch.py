@@ -95,8 +95,13 @@ def context_features(target: Any, ids: torch.Tensor, layer_ids: list[int]) -> to
     """
     res = target.model(input_ids=ids.to(target.device), output_hidden_states=True, use_cache=False,
                        logits_to_keep=1)
+    return layer_features(res.hidden_states, layer_ids)
+
+
+def layer_features(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """transformers' `hidden_states` of the layers `layer_ids`, concatenated on the last axis."""
     # hidden_states[0] is the embedding output, so layer i's output is at i + 1.
-    return torch.cat([res.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
 @torch.no_grad()
@@ -109,8 +114,7 @@ def features_and_final(target: Any, batch: PaddedBatch, layer_ids: list[int]) ->
         raise ValueError("distillation needs the tokens after the context (`collate` keeps them in `ahead`)")
     res = target.model(input_ids=batch.ahead.to(target.device), output_hidden_states=True, use_cache=False,
                        logits_to_keep=1)
-    t = batch.context_len
-    feats = torch.cat([res.hidden_states[i + 1][:, :t] for i in layer_ids], dim=-1)
+    feats = layer_features(res.hidden_states, layer_ids)[:, : batch.context_len]
     # transformers reports the last layer after the final norm: the hidden state the LM head reads.
     return feats, res.hidden_states[-1]
 
