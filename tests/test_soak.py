@@ -100,3 +100,16 @@ def test_small_soak_against_launch_py(app_engine: Engine, tmp_path: Path) -> Non
     assert [x["replies"] for x in s["samples"]] == [0, 3, 6, 9, 9]
     assert all(x["rss_mb"] > 0 and x["fds"] > 0 and x["threads"] > 0 for x in s["samples"])
     assert report["server"]["alive_at_end"]
+
+
+def test_race_script_reads_the_first_turn_of_each_prompt_of_a_set() -> None:
+    race_spec = importlib.util.spec_from_file_location("race_in_browser", SCRIPT.parent / "race_in_browser.py")
+    race_script = importlib.util.module_from_spec(race_spec)
+    race_spec.loader.exec_module(race_script)
+    committed = race_script.prompt_list(str(SCRIPT.parent.parent / "bench" / "prompts" / "chatterbot-12.jsonl"), None)
+    assert len(committed) == 12 and len(set(committed)) == 12 and committed[0] == "What is AI?"
+    mtbench = race_script.prompt_list("mtbench", 2)  # two-turn prompts: the race sends the first
+    assert len(mtbench) == 2 and all(isinstance(p, str) and p for p in mtbench)
+    from dflash_core.prompt_sets import load_prompt_set
+    assert mtbench == [turns[0] for turns in load_prompt_set("mtbench", limit=2)]
+    assert len(load_prompt_set("mtbench", limit=2)[0]) == 2
