@@ -154,8 +154,11 @@ class AttentionPlan:
 
     @property
     def extent(self) -> int:
-        """Buffer rows the scores cover (past `length` only to finish a chunk: masked there)."""
-        return self.in_place if self.index is None else self.length
+        """Buffer rows the scores cover: whole chunks, past `length` only to finish the last one
+        (masked there, or never gathered). Whole chunks also keep the scores' GEMM to a few
+        shapes: oneDNN builds a new kernel for every new shape (~0.4 ms), which a tree pass's
+        exact length would ask for at nearly every block."""
+        return self.in_place if self.index is None else -(-self.length // CHUNK) * CHUNK
 
     @classmethod
     def chain(cls, start: int, n: int, device: torch.device) -> AttentionPlan:
