@@ -40,6 +40,11 @@ MIN_ROWS = 2  # a lone row is computed beside a copy of itself; see the module d
 CHUNK = 64  # key positions per attention chunk (a multiple of 16: exp and sums run without scalar tails)
 
 
+def whole_chunks(n: int) -> int:
+    """`n` rounded up to whole attention chunks (`CHUNK` key positions)."""
+    return -(-n // CHUNK) * CHUNK
+
+
 def _cpu_supports(probe: str) -> bool:
     """torch's own CPU feature probe `probe` (False where this torch lacks it)."""
     return bool(getattr(getattr(torch, "cpu", None), probe, lambda: False)())
@@ -158,13 +163,13 @@ class AttentionPlan:
         (masked there, or never gathered). Whole chunks also keep the scores' GEMM to a few
         shapes: oneDNN builds a new kernel for every new shape (~0.4 ms), which a tree pass's
         exact length would ask for at nearly every block."""
-        return self.in_place if self.index is None else -(-self.length // CHUNK) * CHUNK
+        return self.in_place if self.index is None else whole_chunks(self.length)
 
     @classmethod
     def chain(cls, start: int, n: int, device: torch.device) -> AttentionPlan:
         """Rows at positions start..start+n-1, each seeing everything before it."""
         length = start + n
-        in_place = -(-length // CHUNK) * CHUNK
+        in_place = whole_chunks(length)
         mask = torch.arange(in_place, device=device)[None, :] <= torch.arange(start, length, device=device)[:, None]
         return cls(length, in_place, mask)
 
@@ -176,7 +181,7 @@ class AttentionPlan:
         dev = depths.device
         base = start // CHUNK * CHUNK
         deepest = int(depths.max())
-        width = -(-(start + deepest + 1 - base) // CHUNK) * CHUNK
+        width = whole_chunks(start + deepest + 1 - base)
         pos = base + torch.arange(width, device=dev)
         # ancestor[r, d]: the buffer row of r's ancestor at depth d.
         ancestor = torch.zeros(n, deepest + 1, dtype=torch.long, device=dev)

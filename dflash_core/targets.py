@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .batch_invariant import CHUNK, bf16_gemm_available, bf16_units
+from .batch_invariant import bf16_gemm_available, bf16_units, whole_chunks
 from .cache import TargetCache
 from .errors import DFlashError
 from .fast_forward import FastForward
@@ -284,7 +284,7 @@ class Target:
         if self.invariant:
             # Whole attention chunks: the batch-invariant attention reads keys by the chunk, and
             # a buffer that ends inside one is padded (copied) on every pass that reaches it.
-            max_len = -(-max_len // CHUNK) * CHUNK
+            max_len = whole_chunks(max_len)
         return TargetCache(self.num_layers, max_len, value_ones=self.invariant)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
