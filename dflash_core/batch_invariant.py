@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import cpu_attention
+
 MAX_ROWS = 32  # rows per oneDNN call; see the module docstring
 MIN_ROWS = 2  # a lone row is computed beside a copy of itself; see the module docstring
 CHUNK = 64  # key positions per attention chunk (a multiple of 16: exp and sums run without scalar tails)
@@ -142,6 +144,11 @@ class AttentionPlan:
     base: int = 0
     index: torch.Tensor | None = None  # [n, W] long, W a multiple of CHUNK
     visible: torch.Tensor | None = None  # [n, W] bool
+    # The same, as the compiled kernel reads it (cpu_attention.py): row r sees buffer rows
+    # [0, before[r]) and then after[r, :after_count[r]], in position order.
+    before: torch.Tensor | None = None  # [n] long
+    after: torch.Tensor | None = None  # [n, E] long
+    after_count: torch.Tensor | None = None  # [n] long
 
     # Derived once per pass, read by every layer.
     @functools.cached_property
@@ -170,8 +177,10 @@ class AttentionPlan:
         """Rows at positions start..start+n-1, each seeing everything before it."""
         length = start + n
         in_place = whole_chunks(length)
-        mask = torch.arange(in_place, device=device)[None, :] <= torch.arange(start, length, device=device)[:, None]
-        return cls(length, in_place, mask)
+        rows = torch.arange(start, length, device=device)
+        mask = torch.arange(in_place, device=device)[None, :] <= rows[:, None]
+        none = torch.zeros(n, 0, dtype=torch.long, device=device)
+        return cls(length, in_place, mask, before=rows + 1, after=none, after_count=torch.zeros_like(rows))
 
     @classmethod
     def tree(cls, start: int, depths: torch.Tensor, visible: torch.Tensor) -> AttentionPlan:
@@ -191,7 +200,8 @@ class AttentionPlan:
         seen = (pos[None, :] < start) | in_pass
         index = torch.where(in_pass, ancestor[:, (pos - start).clamp(0, deepest)], pos[None, :])
         index = torch.where(seen, index, torch.full_like(index, base))  # masked slots read any real row
-        return cls(start + n, base, None, base, index, seen)
+        before = torch.full((n,), start, dtype=torch.long, device=dev)
+        return cls(start + n, base, None, base, index, seen, before, ancestor, depths.long() + 1)
 
 
 def values_with_ones(layer: object) -> torch.Tensor:
@@ -209,6 +219,9 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
     """q [heads, n, hd] (bf16, RoPE applied) over keys [kv_heads, S, hd] and values with a
     column of ones [kv_heads, S, hd + 1] (`values_with_ones`), the layer's whole buffers with
     this pass's rows already written; [heads, n, hd]."""
+    compiled = cpu_attention.kernel() if q.shape[-1] in cpu_attention.HEAD_DIMS else None
+    if compiled is not None and plan.before is not None:
+        return compiled.attention(q, keys, values, plan.before, plan.after, plan.after_count, scale)  # type: ignore[attr-defined]
     heads, n, hd = q.shape
     nkv = keys.shape[0]
     g = heads // nkv

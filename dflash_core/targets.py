@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from . import cpu_attention
 from .batch_invariant import bf16_gemm_available, bf16_units, whole_chunks
 from .cache import TargetCache
 from .errors import DFlashError
@@ -196,7 +197,9 @@ class Target:
                 packed = f", {by}-{'reordered' if by == 'oneDNN' else 'packed'} weights" if by else ""
                 self._forward_note = f"fast forward{packed}"
                 if self.fast_forward.invariant:
-                    self._forward_note = f"fast forward, batch-invariant bf16 (oneDNN, {bf16_units()})"
+                    attention = ("compiled attention" if cpu_attention.kernel() is not None
+                                 else f"torch-call attention: {cpu_attention.unavailable_reason()}")
+                    self._forward_note = f"fast forward, batch-invariant bf16 (oneDNN, {bf16_units()}; {attention})"
                     if not rows_agree(self.model, self.fast_forward):
                         self.fast_forward = FastForward(self.model, invariant=False)
                         self._forward_note = ("fast forward, bf16 (the batch-invariance check failed here: "

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import finish
 
-from dflash_core import batch_invariant, fast_forward, packing
+from dflash_core import batch_invariant, cpu_attention, fast_forward, packing
 from dflash_core.batch_invariant import CHUNK, AttentionPlan, _pairwise_sum, attention
 from dflash_core.config import GenerationConfig
 from dflash_core.draft_tree import grow_tree, visibility
@@ -23,6 +23,18 @@ from dflash_core.targets import Target, load_target
 
 needs_bf16_units = pytest.mark.skipif(not batch_invariant.bf16_gemm_available(),
                                       reason="no bf16 units (AMX, AVX512-BF16) on this CPU")
+
+
+@pytest.fixture(params=["compiled", "torch calls"])
+def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the batch-invariant attention runs: the compiled kernel (cpu_attention.py) and,
+    where it cannot be built, the torch calls; each must keep rows bit-identical on its own."""
+    if request.param == "compiled":
+        if cpu_attention.kernel() is None:
+            pytest.skip(f"no compiled attention here: {cpu_attention.unavailable_reason()}")
+    else:
+        monkeypatch.setattr(cpu_attention, "kernel", lambda: None)
+    return request.param
 
 
 def plain_rows(target: Target, context: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -80,12 +92,14 @@ def test_a_lone_row_gets_the_bits_it_gets_among_others(target: Target) -> None:
 def test_embedded_target_is_bf16_and_batch_invariant(target: Target) -> None:
     assert target.dtype == torch.bfloat16 and target.invariant, target.forward_note
     assert "batch-invariant" in target.forward_note
+    assert ("compiled attention" in target.forward_note) == (cpu_attention.kernel() is not None)
     assert target.fast_forward is not None and target.fast_forward.rows_agree()
 
 
 @needs_bf16_units
 @pytest.mark.parametrize(("start", "rows"), [(1, 6), (CHUNK - 5, 12), (CHUNK * 2, 17), (200, 40)])
-def test_chain_pass_rows_equal_plain_steps_bit_for_bit(target: Target, start: int, rows: int) -> None:
+def test_chain_pass_rows_equal_plain_steps_bit_for_bit(target: Target, start: int, rows: int,
+                                                        attention_path: str) -> None:
     """Passes that start at and across chunk boundaries, and one longer than the 32 rows a
     oneDNN call takes."""
     rng = random.Random(start)
@@ -99,7 +113,7 @@ def test_chain_pass_rows_equal_plain_steps_bit_for_bit(target: Target, start: in
 
 @needs_bf16_units
 @pytest.mark.parametrize("start", [7, CHUNK - 2, 150])
-def test_tree_pass_rows_equal_plain_decoding_of_their_paths(target: Target, start: int) -> None:
+def test_tree_pass_rows_equal_plain_decoding_of_their_paths(target: Target, start: int, attention_path: str) -> None:
     rng = random.Random(start)
     vocab = target.vocab_size
     context = torch.tensor([[rng.randrange(vocab) for _ in range(start)]])
@@ -129,7 +143,7 @@ def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
 
 
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16")
-def test_attention_computes_masked_softmax_attention() -> None:
+def test_attention_computes_masked_softmax_attention(attention_path: str) -> None:
     gen = torch.Generator().manual_seed(0)
     heads, kv, hd, start = 6, 2, 64, 90
     keys = torch.randn(kv, 200, hd, generator=gen).bfloat16()

@@ -1,0 +1,108 @@
+"""The compiled batch-invariant attention (dflash_core/cpu_attention.py): built where the target
+runs in bf16, the attention it claims to be, and a row's bits independent of the pass it is in
+and of the threads that compute it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_batch_invariant import reference_attention
+
+from dflash_core import batch_invariant, cpu_attention
+
+needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None,
+                                  reason=f"no compiled attention here: {cpu_attention.unavailable_reason()}")
+
+
+def test_it_is_built_wherever_the_target_runs_in_bf16() -> None:
+    """On a CPU with bf16 units and a C++ compiler, the kernel must build: a silent fall back to
+    the torch calls would cost a third of the speed and no test would notice."""
+    if not batch_invariant.bf16_gemm_available() or shutil.which("c++") is None:
+        pytest.skip("no bf16 units or no C++ compiler: the torch calls are the attention here")
+    assert cpu_attention.kernel() is not None, cpu_attention.unavailable_reason()
+    assert cpu_attention.describe() == "[cpu attention] ready"
+
+
+def test_turned_off_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_CPU_KERNEL", "0")
+    cpu_attention._load.cache_clear()
+    try:
+        assert cpu_attention.kernel() is None
+        assert "DFLASH_CPU_KERNEL=0" in str(cpu_attention.unavailable_reason())
+    finally:
+        monkeypatch.delenv("DFLASH_CPU_KERNEL")
+        cpu_attention._load.cache_clear()
+
+
+def random_cache(kv: int, length: int, hd: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [kv, length, hd] and values with the ones column a batch-invariant cache keeps."""
+    gen = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(kv, length, hd, generator=gen) * 2).bfloat16()
+    values = F.pad(torch.randn(kv, length, hd, generator=gen), (0, 1), value=1.0).bfloat16()
+    return keys, values
+
+
+def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, before: list[int],
+        after: list[list[int]]) -> torch.Tensor:
+    width = max((len(a) for a in after), default=0)
+    table = torch.tensor([a + [0] * (width - len(a)) for a in after], dtype=torch.long).view(len(before), width)
+    return cpu_attention.kernel().attention(q, keys, values, torch.tensor(before), table,
+                                            torch.tensor([len(a) for a in after]), q.shape[-1] ** -0.5)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("heads", "kv", "hd"), [(4, 4, 16), (4, 2, 32), (9, 3, 64), (8, 2, 128), (4, 1, 256)])
+def test_it_computes_softmax_attention_over_the_keys_each_row_sees(heads: int, kv: int, hd: int) -> None:
+    keys, values = random_cache(kv, 120, hd, seed=hd)
+    q = torch.randn(heads, 4, hd, generator=torch.Generator().manual_seed(1)).bfloat16()
+    # Rows: two chain rows, then two tree rows that see the first 90 keys and a few later ones.
+    before, after = [100, 101, 90, 90], [[], [], [95, 97], [95, 99, 104]]
+    visible = torch.zeros(4, 120, dtype=torch.bool)
+    for r, (b, a) in enumerate(zip(before, after, strict=True)):
+        visible[r, :b] = True
+        visible[r, a] = True
+    want = reference_attention(q, keys, values[..., :hd], visible, hd**-0.5)
+    torch.testing.assert_close(run(q, keys, values, before, after).float(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+def test_a_rows_bits_depend_only_on_the_keys_it_sees() -> None:
+    """The same query over the same keys: alone, as one row of a chain, as a tree row whose
+    ancestors are gathered from elsewhere in the buffer, on one thread or two."""
+    keys, values = random_cache(3, 300, 64, seed=7)
+    q = torch.randn(9, 1, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    alone = run(q, keys, values, [261], [[]])  # keys 0..260
+    others = torch.randn(9, 12, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for pos in range(12):
+        chain = torch.cat([others[:, :pos], q, others[:, pos + 1 :]], 1)
+        got = run(chain, keys, values, [261 - pos + i for i in range(12)], [[]] * 12)  # row pos sees 0..260
+        assert torch.equal(got[:, pos], alone[:, 0]), pos
+    # The tree row: keys 0..249 in place, then 250..260, which a tree pass writes to other rows.
+    moved_keys, moved_values = keys.clone(), values.clone()
+    moved_keys[:, 270:281], moved_values[:, 270:281] = keys[:, 250:261], values[:, 250:261]
+    moved_keys[:, 250:261] = moved_values[:, 250:261] = 0
+    tree = run(q, moved_keys, moved_values, [250], [list(range(270, 281))])
+    assert torch.equal(tree, alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run(others, keys, values, list(range(250, 262)), [[]] * 12)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, run(others, keys, values, list(range(250, 262)), [[]] * 12))
+
+
+@needs_kernel
+def test_other_head_sizes_take_the_torch_calls() -> None:
+    keys, values = random_cache(2, 40, 48, seed=4)
+    q = torch.randn(4, 2, 48, generator=torch.Generator().manual_seed(5)).bfloat16()
+    with pytest.raises(RuntimeError, match="head_dim 48"):
+        run(q, keys, values, [31, 32], [[], []])
+    plan = batch_invariant.AttentionPlan.chain(30, 2, torch.device("cpu"))
+    visible = torch.arange(40)[None, :] < torch.tensor([31, 32])[:, None]
+    want = reference_attention(q, keys, values[..., :48], visible, 48**-0.5)
+    got = batch_invariant.attention(q, keys, values, plan, 48**-0.5)
+    torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
