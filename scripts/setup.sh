@@ -28,9 +28,7 @@ setup_vllm() {
 }
 if [ "$vllm" = "required" ] && [ -z "$extra" ]; then
   setup_vllm || exit 1
-  # The compiled CPU attention (dflash_core/cpu_attention.py), built once here rather than at the first launch.
-.venv/bin/python -c "from dflash_core.cpu_attention import describe; print(describe())"
-echo "[setup] ready: .venv-vllm" && exit 0
+  echo "[setup] ready: .venv-vllm" && exit 0
 fi
 PY="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
