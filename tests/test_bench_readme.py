@@ -65,7 +65,8 @@ def test_refuses_a_readme_without_commands(tmp_path: Path) -> None:
 
 def test_runs_each_command_with_the_chosen_python(tmp_path: Path) -> None:
     # A stand-in interpreter records its arguments: the run path splits each listed command into
-    # exactly the words the bench CLI parses above, in order, one run after another.
+    # exactly the words the bench CLI parses above, in order, one run after another, then
+    # refreshes the drafter card's table.
     record = tmp_path / "calls.txt"
     stub = tmp_path / "python"
     stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >> {shlex.quote(str(record))}\n')
@@ -73,4 +74,8 @@ def test_runs_each_command_with_the_chosen_python(tmp_path: Path) -> None:
     done = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, cwd=ROOT, timeout=30,
                           env={"PATH": "/usr/bin:/bin", "PYTHON": str(stub)})
     assert done.returncode == 0, done.stderr
-    assert record.read_text().splitlines() == [c.removeprefix("python ") for c in listed()]
+    calls = record.read_text().splitlines()
+    assert calls[:-1] == [c.removeprefix("python ") for c in listed()]
+    # Last, the shipped drafter's card takes the new tables' rows (tests/test_shipped_drafter.py).
+    assert calls[-1] == ("-m dflash_core.train.card --refresh assets/drafter --bench bench/humaneval.json "
+                         "--bench bench/gsm8k.json --bench bench/mtbench-1.json")

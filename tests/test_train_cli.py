@@ -362,3 +362,23 @@ def test_a_dflash1_run_trains_on_as_dflash2(trained: Path) -> None:
                  "--arch", "dflash2", "--init", f"from:{trained / 'run'}", *TRAIN_FLAGS, "--eval-prompts", "none"]) == 0
     assert json.loads((out / "train_report.json").read_text())["resumed_from"] == 4
     assert load_drafter(out).config.version == 2
+
+
+def test_card_refresh_rewrites_only_the_benchmark_rows(tmp_path: Path) -> None:
+    """`card --refresh` (what scripts/bench_readme.sh runs last): the shipped card's benchmark rows
+    become the reports' rows and every other line stays as it was."""
+    from dflash_core.train.card import _bench_rows
+    from dflash_core.train.card import main as card_main
+
+    root = Path(__file__).resolve().parent.parent
+    card = (root / "assets" / "drafter" / "MODEL_CARD.md").read_text()
+    stale = card.replace("| humaneval | 5 | 256 |", "| humaneval | 5 | 128 |")
+    (tmp_path / "MODEL_CARD.md").write_text(stale + "| a row that is not the table's |\n")
+    bench = [root / "bench" / "gsm8k.json"]
+    assert card_main(["--refresh", str(tmp_path), "--bench", str(bench[0])]) == 0
+    got = (tmp_path / "MODEL_CARD.md").read_text().splitlines()
+    rows = _bench_rows(bench)
+    lines = stale.splitlines()
+    table = [i for i, line in enumerate(lines) if line.startswith(("| humaneval |", "| gsm8k |", "| mtbench-1 |"))]
+    assert rows and table
+    assert got == [*lines[: table[0]], *rows, *lines[table[-1] + 1 :], "| a row that is not the table's |"]

@@ -2,6 +2,7 @@
 
     python -m dflash_core.train.card runs/drafter-s2 --to assets/drafter \\
         --bench bench/humaneval.json --bench bench/gsm8k.json
+    python -m dflash_core.train.card --refresh assets/drafter --bench ...   # only the benchmark rows
 
 The card is built only from what the run and the benchmark wrote (`train_report.json`, bench
 JSON reports): data, steps, hardware, wall time, held-out accuracy, tau per evaluation set. It
@@ -161,13 +162,35 @@ def export(run: Path, dest: Path, bench: list[Path], notes: Sequence[str] = ()) 
     return dest
 
 
+def refresh_bench(dest: Path, bench: list[Path]) -> Path:
+    """Rewrite only the benchmark rows of a shipped card from new bench reports (what
+    scripts/bench_readme.sh does after regenerating the README's tables, so the two agree)."""
+    path = dest / CARD_NAME
+    lines = path.read_text().splitlines()
+    header = next((i for i, line in enumerate(lines) if line.startswith("| set | prompts | new tokens |")), None)
+    if header is None:
+        raise DFlashError(f"{path} has no benchmark table to refresh")
+    end = header + 2  # past the header and its |---| line
+    while end < len(lines) and lines[end].startswith("| "):
+        end += 1
+    lines[header + 2 : end] = _bench_rows(bench)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dflash_core.train.card", description=__doc__.split("\n\n")[0])
-    ap.add_argument("run", type=Path, help="a finished `train` output folder")
+    ap.add_argument("run", type=Path, nargs="?", help="a finished `train` output folder")
     ap.add_argument("--to", type=Path, default=Path("assets/drafter"), help="where to ship it")
     ap.add_argument("--bench", type=Path, action="append", default=[], help="bench JSON report(s) for the card")
     ap.add_argument("--note", action="append", default=[], help="a line of history the reports cannot know")
+    ap.add_argument("--refresh", type=Path, metavar="DIR", help="only rewrite DIR's card's benchmark rows from --bench")
     args = ap.parse_args(argv)
+    if args.refresh is not None:
+        print(f"refreshed {refresh_bench(args.refresh, args.bench)}")
+        return 0
+    if args.run is None:
+        ap.error("a run folder to ship (or --refresh DIR)")
     print(f"shipped {export(args.run, args.to, args.bench, args.note)}")
     return 0
 
