@@ -7,14 +7,15 @@ the order of additions, and a library picks a different kernel, blocking or thre
 different number of rows; in bf16 the rounding is coarse enough that such a difference flips a
 near-tie every few hundred tokens. This module computes so that it cannot:
 
-- Linear layers: oneDNN's bf16 GEMM gives each row the same bits for 2..32 rows (measured for
-  every shape of SmolLM2, with AMX and with AVX512-BF16; 33 rows and more take another kernel),
-  so a pass is cut into calls of at most `MAX_ROWS` rows. One row takes a kernel of its own whose
-  bits differ (on AVX512-BF16, on real activations), so a lone row is computed as a pair
-  (`MIN_ROWS`). The weights are reordered once for oneDNN, which is also what makes bf16 fast: a
-  16-token pass costs ~1.26x a one-token pass on the AMX Xeon (fp32 with MKL-packed weights:
-  ~1.8x), so verifying a block or a tree is cheap. Linears that read the same input (q/k/v,
-  gate/up) run as one GEMM (`InvariantLinear.joined`).
+- Linear layers: on AVX512-BF16 without AMX, a compiled kernel (cpu_kernels.py) sums each
+  output in one fixed order, whatever the rows. Elsewhere oneDNN's bf16 GEMM, which gives each
+  row the same bits for 2..32 rows (measured for every shape of SmolLM2, with AMX and with
+  AVX512-BF16; 33 rows and more take another kernel), so a pass is cut into calls of at most
+  `MAX_ROWS` rows, and a lone row, whose kernel's bits differ, is computed as a pair
+  (`MIN_ROWS`). The weights are laid out once, which is also what makes bf16 fast: a 16-token
+  pass costs ~1.26x a one-token pass on the AMX Xeon (fp32 with MKL-packed weights: ~1.8x), so
+  verifying a block or a tree is cheap. Linears that read the same input (q/k/v, gate/up) run as
+  one GEMM (`InvariantLinear.joined`).
 - Attention: the keys a row sees are laid out by their absolute position and reduced in fixed
   chunks of `CHUNK` positions, whatever the pass: a verify row at position p and a plain step at
   p see the same keys in the same slots (a tree row's ancestors are gathered into the slots their
@@ -31,11 +32,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from . import cpu_attention
+from . import cpu_kernels
 
 MAX_ROWS = 32  # rows per oneDNN call; see the module docstring
 MIN_ROWS = 2  # a lone row is computed beside a copy of itself; see the module docstring
@@ -97,16 +99,21 @@ def joined_weight(modules: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.T
 
 @dataclass
 class InvariantLinear:
-    """A bf16 linear layer through oneDNN with its weight reordered once."""
+    """A bf16 linear layer whose rows never depend on the pass: the compiled kernel
+    (cpu_kernels.py) where it applies, else oneDNN with its weight reordered once."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
     packed: torch.Tensor
+    compiled: Any = None  # the compiled module that multiplies through `packed`, if any
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> InvariantLinear:
         w = weight.detach().to(torch.bfloat16).contiguous()
         b = None if bias is None else bias.detach().to(torch.bfloat16)
+        compiled = cpu_kernels.linear_kernel() if cpu_kernels.linear_fits(w) else None
+        if compiled is not None:
+            return cls(w, b, compiled.pack_linear(w), compiled)
         return cls(w, b, onednn_weight(w))
 
     @classmethod
@@ -115,6 +122,8 @@ class InvariantLinear:
         return cls.of(*joined_weight(modules))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compiled is not None:
+            return self.compiled.linear(x, self.packed, self.bias)
         if x.shape[0] < MIN_ROWS:
             return onednn_linear(x.expand(MIN_ROWS, -1).contiguous(), self.packed, self.bias)[:1]
         if x.shape[0] <= MAX_ROWS:
@@ -122,8 +131,10 @@ class InvariantLinear:
         return torch.cat([self(x[i : i + MAX_ROWS]) for i in range(0, x.shape[0], MAX_ROWS)])
 
     def whole(self, x: torch.Tensor) -> torch.Tensor:
-        """All rows in one call: faster for many rows, but a row's bits then depend on how many
-        there are (for a prefill, which no other pass has to match)."""
+        """All rows in one call: faster for many rows, but through oneDNN a row's bits then
+        depend on how many there are (for a prefill, which no other pass has to match)."""
+        if self.compiled is not None:
+            return self.compiled.linear(x, self.packed, self.bias)
         return onednn_linear(x, self.packed, self.bias)
 
 
@@ -144,7 +155,7 @@ class AttentionPlan:
     base: int = 0
     index: torch.Tensor | None = None  # [n, W] long, W a multiple of CHUNK
     visible: torch.Tensor | None = None  # [n, W] bool
-    # The same, as the compiled kernel reads it (cpu_attention.py): row r sees buffer rows
+    # The same, as the compiled kernel reads it (cpu_kernels.py): row r sees buffer rows
     # [0, before[r]) and then after[r, :after_count[r]], in position order.
     before: torch.Tensor | None = None  # [n] long
     after: torch.Tensor | None = None  # [n, E] long
@@ -219,7 +230,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
     """q [heads, n, hd] (bf16, RoPE applied) over keys [kv_heads, S, hd] and values with a
     column of ones [kv_heads, S, hd + 1] (`values_with_ones`), the layer's whole buffers with
     this pass's rows already written; [heads, n, hd]."""
-    compiled = cpu_attention.kernel() if q.shape[-1] in cpu_attention.HEAD_DIMS else None
+    compiled = cpu_kernels.kernel() if q.shape[-1] in cpu_kernels.HEAD_DIMS else None
     if compiled is not None and plan.before is not None:
         return compiled.attention(q, keys, values, plan.before, plan.after, plan.after_count, scale)  # type: ignore[attr-defined]
     heads, n, hd = q.shape

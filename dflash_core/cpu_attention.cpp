@@ -2,7 +2,7 @@
 //
 // A row's output depends only on its query and the keys/values it sees, reduced in their
 // position order by the same instructions whatever the pass: a plain step, a verify chain or a
-// tree row gets the same bits for the same context (cpu_attention.py says why that matters).
+// tree row gets the same bits for the same context (cpu_kernels.py says why that matters).
 // Each (head, row) is computed whole by one thread, so the thread split never changes a sum.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -138,8 +138,4 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
     for (int64_t item = begin; item < end; ++item) one(in, item / n, item % n, w);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attention", &attention, "row-invariant bf16 attention (dflash_core/cpu_attention.cpp)");
 }

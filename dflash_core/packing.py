@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import batch_invariant
+from . import batch_invariant, cpu_kernels
 
 PACK_BATCH_HINT = 16  # the largest verify pass; MKL's packed layout is chosen for it
 # Below this many rows MKL's own small-M kernels are as fast or faster (measured: 1-3 rows equal
@@ -119,6 +119,8 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             packed: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times the weight, through the packed copy when there is one (MKL's: with
     enough rows)."""
+    if packed is not None and packed.dim() == 4:  # laid out for the compiled kernel (cpu_kernels.py)
+        return cpu_kernels.kernel().linear(x, packed, bias)
     if packed is not None and onednn_layout(packed, weight):
         return batch_invariant.onednn_linear(x, packed, bias)
     if packed is not None and x.shape[0] >= PACKED_MIN_ROWS:
@@ -128,12 +130,17 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
-    """A [out, in] weight laid out once for its GEMM library: oneDNN's reordered copy for bf16 on
-    CPUs with AMX and for fp32 where oneDNN's fp32 GEMM passes its check (`onednn_fp32_works`),
-    else MKL's packed copy for fp32; None where none applies (not CPU, or the self-checks failed)."""
+    """A [out, in] weight laid out once for its GEMM library: for bf16 the compiled kernel's layout
+    where it applies (cpu_kernels.py: AVX512-BF16 without AMX), else oneDNN's reordered copy on
+    CPUs with bf16 units; for fp32 oneDNN's where its fp32 GEMM passes its check
+    (`onednn_fp32_works`), else MKL's packed copy; None where none applies (not CPU, or the
+    self-checks failed)."""
     if weight.device.type != "cpu":
         return None
     if weight.dtype == torch.bfloat16:
+        compiled = cpu_kernels.linear_kernel()
+        if compiled is not None and cpu_kernels.linear_fits(weight):
+            return compiled.pack_linear(weight.detach().contiguous())
         return batch_invariant.onednn_weight(weight) if batch_invariant.bf16_gemm_available() else None
     if weight.dtype == torch.float32 and onednn_fp32_works():
         return batch_invariant.onednn_weight(weight)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from . import cpu_attention
+from . import cpu_kernels
 from .batch_invariant import bf16_gemm_available, bf16_units, whole_chunks
 from .cache import TargetCache
 from .errors import DFlashError
@@ -197,9 +197,11 @@ class Target:
                 packed = f", {by}-{'reordered' if by == 'oneDNN' else 'packed'} weights" if by else ""
                 self._forward_note = f"fast forward{packed}"
                 if self.fast_forward.invariant:
-                    attention = ("compiled attention" if cpu_attention.kernel() is not None
-                                 else f"torch-call attention: {cpu_attention.unavailable_reason()}")
-                    self._forward_note = f"fast forward, batch-invariant bf16 (oneDNN, {bf16_units()}; {attention})"
+                    compiled = getattr(self.fast_forward.head, "compiled", None) is not None
+                    linears = "compiled linears" if compiled else "oneDNN"
+                    attention = ("compiled attention" if cpu_kernels.kernel() is not None
+                                 else f"torch-call attention: {cpu_kernels.unavailable_reason()}")
+                    self._forward_note = f"fast forward, batch-invariant bf16 ({linears}, {bf16_units()}; {attention})"
                     if not rows_agree(self.model, self.fast_forward):
                         self.fast_forward = FastForward(self.model, invariant=False)
                         self._forward_note = ("fast forward, bf16 (the batch-invariance check failed here: "

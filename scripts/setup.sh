@@ -55,6 +55,6 @@ if [ -n "$vllm" ]; then
   setup_vllm || { [ "$vllm" = required ] && exit 1
                   echo "[setup] could not install vLLM; tests/test_vllm_serving.py will be skipped"; }
 fi
-# The compiled CPU attention (dflash_core/cpu_attention.py), built once here rather than at the first launch.
-.venv/bin/python -c "from dflash_core.cpu_attention import describe; print(describe())"
+# The compiled CPU kernels (dflash_core/cpu_kernels.py), built once here rather than at the first launch.
+.venv/bin/python -c "from dflash_core.cpu_kernels import describe; print(describe())"
 echo "[setup] ready: .venv ($(.venv/bin/python -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from conftest import finish
 
-from dflash_core import batch_invariant, cpu_attention, fast_forward, packing
+from dflash_core import batch_invariant, cpu_kernels, fast_forward, packing
 from dflash_core.batch_invariant import CHUNK, AttentionPlan, _pairwise_sum, attention
 from dflash_core.config import GenerationConfig
 from dflash_core.draft_tree import grow_tree, visibility
@@ -27,13 +27,13 @@ needs_bf16_units = pytest.mark.skipif(not batch_invariant.bf16_gemm_available(),
 
 @pytest.fixture(params=["compiled", "torch calls"])
 def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Both ways the batch-invariant attention runs: the compiled kernel (cpu_attention.py) and,
+    """Both ways the batch-invariant attention runs: the compiled kernel (cpu_kernels.py) and,
     where it cannot be built, the torch calls; each must keep rows bit-identical on its own."""
     if request.param == "compiled":
-        if cpu_attention.kernel() is None:
-            pytest.skip(f"no compiled attention here: {cpu_attention.unavailable_reason()}")
+        if cpu_kernels.kernel() is None:
+            pytest.skip(f"no compiled attention here: {cpu_kernels.unavailable_reason()}")
     else:
-        monkeypatch.setattr(cpu_attention, "kernel", lambda: None)
+        monkeypatch.setattr(cpu_kernels, "kernel", lambda: None)
     return request.param
 
 
@@ -92,7 +92,7 @@ def test_a_lone_row_gets_the_bits_it_gets_among_others(target: Target) -> None:
 def test_embedded_target_is_bf16_and_batch_invariant(target: Target) -> None:
     assert target.dtype == torch.bfloat16 and target.invariant, target.forward_note
     assert "batch-invariant" in target.forward_note
-    assert ("compiled attention" in target.forward_note) == (cpu_attention.kernel() is not None)
+    assert ("compiled attention" in target.forward_note) == (cpu_kernels.kernel() is not None)
     assert target.fast_forward is not None and target.fast_forward.rows_agree()
 
 

@@ -1,6 +1,6 @@
-"""The compiled batch-invariant attention (dflash_core/cpu_attention.py): built where the target
-runs in bf16, the attention it claims to be, and a row's bits independent of the pass it is in
-and of the threads that compute it."""
+"""The compiled batch-invariant kernels (dflash_core/cpu_kernels.py): built where the target runs
+in bf16, the attention and the linear layers they claim to be, and a row's bits independent of the
+pass it is in and of the threads that compute it."""
 
 from __future__ import annotations
 
@@ -11,30 +11,32 @@ import torch
 import torch.nn.functional as F
 from test_batch_invariant import reference_attention
 
-from dflash_core import batch_invariant, cpu_attention
+from dflash_core import batch_invariant, cpu_kernels
 
-needs_kernel = pytest.mark.skipif(cpu_attention.kernel() is None,
-                                  reason=f"no compiled attention here: {cpu_attention.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(cpu_kernels.kernel() is None,
+                                  reason=f"no compiled kernels here: {cpu_kernels.unavailable_reason()}")
 
 
 def test_it_is_built_wherever_the_target_runs_in_bf16() -> None:
-    """On a CPU with bf16 units and a C++ compiler, the kernel must build: a silent fall back to
+    """On a CPU with bf16 units and a C++ compiler, the kernels must build: a silent fall back to
     the torch calls would cost a third of the speed and no test would notice."""
     if not batch_invariant.bf16_gemm_available() or shutil.which("c++") is None:
         pytest.skip("no bf16 units or no C++ compiler: the torch calls are the attention here")
-    assert cpu_attention.kernel() is not None, cpu_attention.unavailable_reason()
-    assert cpu_attention.describe() == "[cpu attention] ready"
+    assert cpu_kernels.kernel() is not None, cpu_kernels.unavailable_reason()
+    linears = batch_invariant.bf16_units() == "AVX512-BF16"  # on AMX, oneDNN's tiles multiply
+    assert (cpu_kernels.linear_kernel() is not None) == linears
+    assert cpu_kernels.describe() == f"[cpu kernels] ready (attention{', linear layers' if linears else ''})"
 
 
 def test_turned_off_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DFLASH_CPU_KERNEL", "0")
-    cpu_attention._load.cache_clear()
+    cpu_kernels._load.cache_clear()
     try:
-        assert cpu_attention.kernel() is None
-        assert "DFLASH_CPU_KERNEL=0" in str(cpu_attention.unavailable_reason())
+        assert cpu_kernels.kernel() is None
+        assert "DFLASH_CPU_KERNEL=0" in str(cpu_kernels.unavailable_reason())
     finally:
         monkeypatch.delenv("DFLASH_CPU_KERNEL")
-        cpu_attention._load.cache_clear()
+        cpu_kernels._load.cache_clear()
 
 
 def random_cache(kv: int, length: int, hd: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +51,7 @@ def run(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, before: list[
         after: list[list[int]]) -> torch.Tensor:
     width = max((len(a) for a in after), default=0)
     table = torch.tensor([a + [0] * (width - len(a)) for a in after], dtype=torch.long).view(len(before), width)
-    return cpu_attention.kernel().attention(q, keys, values, torch.tensor(before), table,
+    return cpu_kernels.kernel().attention(q, keys, values, torch.tensor(before), table,
                                             torch.tensor([len(a) for a in after]), q.shape[-1] ** -0.5)
 
 
@@ -106,3 +108,64 @@ def test_other_head_sizes_take_the_torch_calls() -> None:
     want = reference_attention(q, keys, values[..., :48], visible, 48**-0.5)
     got = batch_invariant.attention(q, keys, values, plan, 48**-0.5)
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
+
+
+needs_linear = pytest.mark.skipif(cpu_kernels.linear_kernel() is None,
+                                  reason="the compiled linear layers apply on AVX512-BF16 without AMX")
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    module = cpu_kernels.linear_kernel()
+    return module.linear(x, module.pack_linear(weight), bias)
+
+
+@needs_linear
+@pytest.mark.parametrize(("rows", "out", "inp"),
+                         [(1, 16, 2), (3, 48, 64), (8, 960, 576), (13, 80, 1536), (40, 576, 200)])
+def test_the_linear_kernel_is_a_bf16_linear_layer(rows: int, out: int, inp: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, inp, generator=gen).bfloat16()
+    weight = (torch.randn(out, inp, generator=gen) / inp**0.5).bfloat16()
+    bias = torch.randn(out, generator=gen).bfloat16()
+    want = F.linear(x.float(), weight.float(), bias.float())
+    got = linear(x, weight, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(linear(x, weight).float(), want - bias.float(), atol=2e-2, rtol=1e-2)
+
+
+@needs_linear
+def test_a_linear_rows_bits_depend_only_on_the_row() -> None:
+    """Every row count from 1 to 40 (one register tile, several, panels of the reduction), on one
+    thread or two: row i's output is the same bits as row i alone."""
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(40, 1536, generator=gen).bfloat16()
+    weight = (torch.randn(576 + 48, 1536, generator=gen) / 40).bfloat16()  # a tail of blocks past whole tiles
+    module = cpu_kernels.linear_kernel()
+    packed = module.pack_linear(weight)
+    alone = torch.cat([module.linear(x[i : i + 1], packed, None) for i in range(40)])
+    for rows in range(1, 41):
+        assert torch.equal(module.linear(x[:rows], packed, None), alone[:rows]), rows
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = module.linear(x, packed, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, alone)
+
+
+@needs_linear
+def test_the_linear_kernel_refuses_what_it_cannot_lay_out() -> None:
+    module = cpu_kernels.linear_kernel()
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        module.pack_linear(torch.zeros(20, 8, dtype=torch.bfloat16))
+    assert not cpu_kernels.linear_fits(torch.zeros(20, 8)) and cpu_kernels.linear_fits(torch.zeros(32, 8))
+    with pytest.raises(RuntimeError, match="for 8 inputs"):
+        packed = module.pack_linear(torch.zeros(16, 6, dtype=torch.bfloat16))
+        module.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, None)
+    # A layer the kernel cannot lay out multiplies through oneDNN, rows still invariant.
+    odd = batch_invariant.InvariantLinear.of(torch.randn(20, 8).bfloat16(), None)
+    assert odd.compiled is None
+    x = torch.randn(5, 8).bfloat16()
+    assert torch.equal(odd(x)[2:3], odd(x[2:3]))

@@ -1,0 +1,116 @@
+"""The batch-invariant bf16 maths as compiled calls: attention (`cpu_attention.cpp`) and, on
+CPUs with AVX512-BF16 but no AMX, the linear layers (`cpu_linear.cpp`).
+
+Both compute each result whole, in one fixed order, so a row's bits cannot depend on the pass:
+what `FastForward.rows_agree` checks on every load.
+
+- Attention: at a handful of rows, attention written as torch calls is nearly all call overhead.
+  SmolLM2's tree pass spent ~0.25-0.45 ms per layer in ~40 small calls (three bf16 GEMMs through
+  oneDNN at ~40 µs each, for a few microseconds of arithmetic), a plain step ~0.2 ms. The kernel
+  computes each (query head, row) in ~1-2 µs, over exactly the keys the row sees, in position order.
+- Linear layers: oneDNN's bf16 GEMM on AVX512-BF16 is row-invariant only for 2..32 rows, so a
+  plain step multiplied its one row as a pair, and its blocking reads the weights again past 6
+  rows. All of SmolLM2's linears, 2 threads, on a Zen 4: oneDNN 16.5 ms for a plain step's pair,
+  13.5 ms for 6 rows, 15.9 for 8; the kernel 7-9 ms for 1 to 8 rows (reading 270 MB of weights at
+  the memory's speed), as fast as oneDNN from 16 rows on. On AMX, oneDNN's tiles stay (measured
+  there; the kernel is not).
+
+Built once per machine by torch's C++ extension loader (g++ and ninja; ~40 s on 2 cores, cached
+in torch's extensions folder under a name that hashes the sources, this CPU's vector instructions
+and the torch version). scripts/setup.sh builds it ahead (`describe()`). Where it cannot be built
+(no compiler, a CPU without AVX-512), `kernel()` is None, `unavailable_reason()` says why, and
+batch_invariant.py's torch calls run instead; `DFLASH_CPU_KERNEL=0` picks that path on purpose.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
+FUNCTIONS = ["attention", "pack_linear", "linear"]
+HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention's instantiations (other sizes take the torch calls)
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+log = logging.getLogger(__name__)
+
+
+def _ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH; the pip package's copy sits in the venv's bin,
+    which is not on PATH when the venv's python is run without activating it."""
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+@functools.cache
+def _load() -> tuple[Any, str | None]:
+    if os.environ.get("DFLASH_CPU_KERNEL", "1") == "0":
+        return None, "turned off (DFLASH_CPU_KERNEL=0)"
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return None, f"this CPU has no AVX-512 ({torch.backends.cpu.get_cpu_capability()})"
+    sources = [path.read_text() for path in SOURCES]
+    tag = hashlib.sha1(f"{sources}{FLAGS}{torch.backends.cpu.get_cpu_capability()}{torch.__version__}".encode())
+    name = f"dflash_cpu_kernels_{tag.hexdigest()[:12]}"
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        if not Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so").exists():
+            print("[cpu kernels] building the compiled attention and linear layers for this machine "
+                  "(once, ~40 s) ...", file=sys.stderr, flush=True)
+        module = cpp_extension.load_inline(name=name, cpp_sources=sources, functions=FUNCTIONS,
+                                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+    except Exception as err:  # no compiler, no ninja, a build error: the torch-call path runs
+        lines = str(err).strip().splitlines()
+        reason = f"{type(err).__name__}: {lines[-1] if lines else ''}"
+        log.warning("the compiled CPU kernels could not be built (%s); torch calls run instead", reason)
+        return None, reason
+    return module, None
+
+
+def kernel() -> Any:
+    """The compiled module (`attention`, `pack_linear`, `linear`), built on first call; None
+    where it cannot be."""
+    return _load()[0]
+
+
+def unavailable_reason() -> str | None:
+    """Why `kernel()` is None (None when it is built)."""
+    return _load()[1]
+
+
+def linear_kernel() -> Any:
+    """The module when the compiled linear layers apply here (AVX512-BF16 without AMX), else None."""
+    from .batch_invariant import bf16_units
+
+    module = kernel()
+    if module is None or bf16_units() != "AVX512-BF16" or not torch.cpu._is_avx512_bf16_supported():
+        return None
+    return module
+
+
+def linear_fits(weight: torch.Tensor) -> bool:
+    """`pack_linear` takes this [out, in] weight (out a multiple of 16, in even)."""
+    return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0
+
+
+def describe() -> str:
+    """Builds the kernels where the target would use them, and says how that went (for setup)."""
+    from .batch_invariant import bf16_gemm_available
+
+    if not bf16_gemm_available():
+        return "[cpu kernels] not needed here: without bf16 units the target runs in float32"
+    if kernel() is None:
+        return f"[cpu kernels] not built: {unavailable_reason()}"
+    return f"[cpu kernels] ready (attention{', linear layers' if linear_kernel() is not None else ''})"

@@ -1,0 +1,145 @@
+// Row-invariant bf16 linear layers for CPUs with AVX512-BF16 (cpu_kernels.py says why).
+//
+// Each output is one float32 sum over the input's pairs in their order, by the same
+// instruction (vdpbf16ps), rounded to bf16 once: a row's bits cannot depend on how many rows
+// the pass has, on the register blocking, the panel or the thread split.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512BF16__
+
+namespace {
+
+constexpr int kBlock = 16;  // outputs per weight block: one register of float32 sums
+constexpr int kRows = 8;    // rows per register tile (8 x kCols sums + kCols weights in 32 registers)
+constexpr int kCols = 3;    // weight blocks per register tile
+constexpr int64_t kPanel = 128;  // pairs per panel when rows come in several tiles: the panel's
+                                 // weights stay in L1 while every row tile reads them
+
+struct Args {
+  const uint16_t* x;
+  const uint16_t* w;  // [blocks][pairs][kBlock][2]
+  const float* bias;
+  uint16_t* out;
+  int64_t pairs, x_stride, out_stride;
+};
+
+// Rows [m0, m0 + MB) times weight blocks [b0, b0 + NB) over pairs [p0, p1); `sums` carries the
+// float32 sums from one panel to the next.
+template <int MB, int NB>
+inline void tile(const Args& a, int64_t m0, int64_t b0, int64_t p0, int64_t p1, float* sums) {
+  __m512 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j)
+      acc[i][j] = p0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(sums + (i * NB + j) * kBlock);
+  const uint16_t* w[NB];
+  for (int j = 0; j < NB; ++j) w[j] = a.w + (b0 + j) * a.pairs * 2 * kBlock;
+  const uint16_t* x[MB];
+  for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.x_stride;
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * 2 * kBlock);
+    for (int i = 0; i < MB; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, x[i] + 2 * p, sizeof pair);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+    }
+  }
+  if (p1 < a.pairs) {
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) _mm512_storeu_ps(sums + (i * NB + j) * kBlock, acc[i][j]);
+    return;
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) {
+      __m512 s = acc[i][j];
+      if (a.bias) s = _mm512_add_ps(s, _mm512_loadu_ps(a.bias + (b0 + j) * kBlock));
+      uint16_t* o = a.out + (m0 + i) * a.out_stride + (b0 + j) * kBlock;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(s));
+    }
+}
+
+template <int R, int NB>
+inline void rest_tile(const Args& a, int64_t m0, int64_t b0, int64_t p0, int64_t p1, float* sums) {
+  if constexpr (R > 0) tile<R, NB>(a, m0, b0, p0, p1, sums);
+}
+
+// All m rows times weight blocks [b0, b0 + NB), panel by panel.
+template <int NB>
+void columns(const Args& a, int64_t m, int64_t b0, float* sums) {
+  const int64_t panel = m <= kRows ? a.pairs : kPanel;
+  for (int64_t p0 = 0; p0 < a.pairs; p0 += panel) {
+    const int64_t p1 = std::min(a.pairs, p0 + panel);
+    int64_t m0 = 0;
+    for (; m0 + kRows <= m; m0 += kRows) tile<kRows, NB>(a, m0, b0, p0, p1, sums + m0 * NB * kBlock);
+    float* s = sums + m0 * NB * kBlock;
+    switch (m - m0) {
+      case 1: rest_tile<1, NB>(a, m0, b0, p0, p1, s); break;
+      case 2: rest_tile<2, NB>(a, m0, b0, p0, p1, s); break;
+      case 3: rest_tile<3, NB>(a, m0, b0, p0, p1, s); break;
+      case 4: rest_tile<4, NB>(a, m0, b0, p0, p1, s); break;
+      case 5: rest_tile<5, NB>(a, m0, b0, p0, p1, s); break;
+      case 6: rest_tile<6, NB>(a, m0, b0, p0, p1, s); break;
+      case 7: rest_tile<7, NB>(a, m0, b0, p0, p1, s); break;
+      default: break;
+    }
+  }
+}
+
+}  // namespace
+
+// A [out, in] bf16 weight (out a multiple of 16, in even) laid out for `linear`:
+// [out / 16][in / 2][16][2], so one 64-byte load holds a pair of inputs for 16 outputs.
+torch::Tensor pack_linear(torch::Tensor weight) {
+  TORCH_CHECK(weight.scalar_type() == torch::kBFloat16 && weight.dim() == 2, "a 2-d bf16 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(n % kBlock == 0 && k % 2 == 0, "out features a multiple of 16 and even in features, not ", n, " x ", k);
+  return weight.contiguous().view({n / kBlock, kBlock, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x [rows, in] bf16 times a weight laid out by `pack_linear`, plus `bias` (any float dtype).
+// Returns [rows, out] bf16.
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && x.dim() == 2, "2-d bf16 input");
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kBlock && packed.size(1) * 2 == x.size(1),
+              "a weight laid out by pack_linear for ", x.size(1), " inputs");
+  const int64_t m = x.size(0), blocks = packed.size(0);
+  x = x.contiguous();
+  auto out = torch::empty({m, blocks * kBlock}, x.options());
+  torch::Tensor b;
+  if (bias) b = bias->to(torch::kFloat).contiguous();
+  const Args a{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+               reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
+               bias ? b.data_ptr<float>() : nullptr,
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), packed.size(1), x.size(1), blocks * kBlock};
+  if (m == 0) return out;
+  const int64_t tiles = (blocks + kCols - 1) / kCols;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> sums(m * kCols * kBlock);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b0 = t * kCols;
+      if (b0 + kCols <= blocks) {
+        columns<kCols>(a, m, b0, sums.data());
+      } else {
+        for (int64_t b = b0; b < blocks; ++b) columns<1>(a, m, b, sums.data());
+      }
+    }
+  });
+  return out;
+}
+
+#else  // no AVX512-BF16: cpu_kernels.py uses oneDNN's GEMM instead
+
+torch::Tensor pack_linear(torch::Tensor) { TORCH_CHECK(false, "built without AVX512-BF16"); }
+torch::Tensor linear(torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "built without AVX512-BF16");
+}
+
+#endif
