@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
-FUNCTIONS = ["attention", "pack_linear", "linear"]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_rowwise.cpp")]
+FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention's instantiations (other sizes take the torch calls)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 log = logging.getLogger(__name__)

@@ -7,10 +7,28 @@ from typing import Any
 
 import torch
 
+from . import cpu_kernels
+
+
+def _compiled(x: torch.Tensor, *others: torch.Tensor, multiple: int) -> Any:
+    """The compiled row-wise kernels (cpu_kernels.py) where they take this call: bf16 on the CPU,
+    nothing to differentiate, the last dim a multiple of `multiple`; else None."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] % multiple:
+        return None
+    if any(t.dtype != torch.bfloat16 for t in others):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x, *others)):
+        return None
+    return cpu_kernels.kernel()
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Qwen3/Llama RMSNorm, operation for operation: statistics in fp32, the scale
-    applied in the input's dtype (so results match theirs bit for bit)."""
+    applied in the input's dtype (so results match theirs bit for bit). In bf16 on a CPU, one
+    compiled call computes the same steps (torch's six calls cost ~20 µs, it ~1 µs)."""
+    compiled = _compiled(x, weight, multiple=16)
+    if compiled is not None:
+        return compiled.rms_norm(x, weight, eps)
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -92,7 +110,12 @@ def rope_cos_sin(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [..., seq, head_dim] by cos/sin [seq, head_dim] (or broadcastable), in the
-    rotate-half layout transformers uses."""
+    rotate-half layout transformers uses. In bf16 on a CPU, one compiled call with the same
+    roundings (the same bits)."""
+    if x.dim() == 3 and x.stride(-1) == 1 and cos.dim() == 2 and cos.shape == (x.shape[1], x.shape[2]):
+        compiled = _compiled(x, cos, sin, multiple=32)
+        if compiled is not None:
+            return compiled.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin

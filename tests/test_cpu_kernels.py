@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from test_batch_invariant import reference_attention
 
-from dflash_core import batch_invariant, cpu_kernels
+from dflash_core import batch_invariant, cpu_kernels, layers
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.kernel() is None,
                                   reason=f"no compiled kernels here: {cpu_kernels.unavailable_reason()}")
@@ -169,3 +169,39 @@ def test_the_linear_kernel_refuses_what_it_cannot_lay_out() -> None:
     assert odd.compiled is None
     x = torch.randn(5, 8).bfloat16()
     assert torch.equal(odd(x)[2:3], odd(x[2:3]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rowwise_kernels_give_torchs_bits(rows: int) -> None:
+    """RMSNorm and RoPE as one compiled call each (layers.py), on real-sized rows, for one row or
+    many: RoPE rounds as torch's bf16 calls do, so its bits are theirs; the norm sums its squares
+    in its own order, so it is torch's within bf16 rounding (in practice the same bits)."""
+    gen = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=gen) * 3).bfloat16()
+    weight = (torch.rand(576, generator=gen) + 0.5).bfloat16()
+    with torch.no_grad():
+        compiled = layers.rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(compiled, torch_rms_norm(x, weight, 1e-5), atol=0, rtol=2**-7)
+    cos, sin = layers.rope_cos_sin(torch.arange(100, 100 + rows), 64, 100000.0, torch.bfloat16)
+    q = torch.randn(rows, 9, 64, generator=gen).bfloat16().transpose(0, 1)  # [heads, rows, hd], strided
+    with torch.no_grad():
+        assert torch.equal(layers.apply_rope(q, cos, sin), torch_rope(q, cos, sin))
+
+
+def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def test_training_keeps_the_torch_calls() -> None:
+    """With gradients wanted, the norm is torch's (the compiled call has no backward)."""
+    x = torch.randn(3, 64).bfloat16().requires_grad_()
+    layers.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5).sum().backward()
+    assert x.grad is not None

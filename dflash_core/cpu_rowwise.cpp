@@ -1,0 +1,103 @@
+// RMSNorm and RoPE for the batch-invariant bf16 path as one call each (cpu_kernels.py says why):
+// torch spends ~6 small calls on each, and a one-token pass makes 60 of each.
+// Each row is computed alone, in one fixed order, so its bits never depend on the pass.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+inline __m512 bf16_to_float(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Round to nearest even, as torch's float -> bf16 conversion does (inputs here are finite).
+inline __m256i float_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+inline __m512 round_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16(v)), 16));
+}
+
+}  // namespace
+
+// x [..., dim] bf16 (dim a multiple of 16, rows contiguous), weight [dim] bf16: transformers'
+// RMSNorm, statistics in float32, the scale applied in bf16 (x * rsqrt(mean(x^2) + eps),
+// rounded, times the weight, rounded).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && weight.scalar_type() == torch::kBFloat16, "bf16 x and weight");
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(dim % 16 == 0 && weight.numel() == dim, "dim a multiple of 16 and the weight's size");
+  x = x.contiguous();
+  auto out = torch::empty_like(x);
+  const int64_t rows = x.numel() / dim;
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* ws = reinterpret_cast<const uint16_t*>(weight.contiguous().data_ptr<at::BFloat16>());
+  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* xr = xs + r * dim;
+      __m512 sq = _mm512_setzero_ps();
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 v = bf16_to_float(xr + d);
+        sq = _mm512_fmadd_ps(v, v, sq);
+      }
+      const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(dim) + e);
+      const __m512 s = _mm512_set1_ps(scale);
+      for (int64_t d = 0; d < dim; d += 16) {
+        const __m512 h = round_bf16(_mm512_mul_ps(bf16_to_float(xr + d), s));
+        const __m512 o = _mm512_mul_ps(bf16_to_float(ws + d), h);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(os + r * dim + d), float_to_bf16(o));
+      }
+    }
+  });
+  return out;
+}
+
+// x [heads, n, head_dim] bf16 (any strides, the last dim contiguous), cos/sin [n, head_dim]
+// bf16: x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 as torch's
+// bf16 arithmetic rounds them. Returns a contiguous [heads, n, head_dim].
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 && cos.scalar_type() == torch::kBFloat16 &&
+                  sin.scalar_type() == torch::kBFloat16, "bf16 x, cos and sin");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x [heads, n, head_dim], the last dim contiguous");
+  const int64_t heads = x.size(0), n = x.size(1), hd = x.size(2), half = hd / 2;
+  TORCH_CHECK(half % 16 == 0 && cos.size(0) == n && cos.size(1) == hd, "head_dim a multiple of 32; cos/sin [n, head_dim]");
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  auto out = torch::empty({heads, n, hd}, x.options());
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  const auto* cs = reinterpret_cast<const uint16_t*>(cos.data_ptr<at::BFloat16>());
+  const auto* ss = reinterpret_cast<const uint16_t*>(sin.data_ptr<at::BFloat16>());
+  auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t sh = x.stride(0), sn = x.stride(1);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  at::parallel_for(0, heads * n, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / n, t = i % n;
+      const uint16_t* xr = xs + h * sh + t * sn;
+      const uint16_t *cr = cs + t * hd, *sr = ss + t * hd;
+      uint16_t* o = os + i * hd;
+      for (int64_t d = 0; d < half; d += 16) {
+        const __m512 lo = bf16_to_float(xr + d), hi = bf16_to_float(xr + half + d);
+        // first half: x * cos + (-x[half:]) * sin; second half: x * cos + x[:half] * sin
+        const __m512 a = round_bf16(_mm512_mul_ps(lo, bf16_to_float(cr + d)));
+        const __m512 b = round_bf16(_mm512_mul_ps(_mm512_xor_ps(hi, sign), bf16_to_float(sr + d)));
+        const __m512 c = round_bf16(_mm512_mul_ps(hi, bf16_to_float(cr + half + d)));
+        const __m512 e = round_bf16(_mm512_mul_ps(lo, bf16_to_float(sr + half + d)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), float_to_bf16(_mm512_add_ps(a, b)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + half + d), float_to_bf16(_mm512_add_ps(c, e)));
+      }
+    }
+  });
+  return out;
+}
