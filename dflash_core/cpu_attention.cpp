@@ -48,6 +48,22 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Lane u of the result: the sum of a[u]'s 16 lanes, added in the same order for every u (so a
+// score's bits do not depend on where its key falls among the 16).
+inline __m512 sum_lanes(__m512 a[kLanes]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(b[2 * i]), _mm512_castps_pd(b[2 * i + 1]));
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+  }
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xdd));
+}
+
 struct Inputs {
   const uint16_t *q, *keys, *values;
   at::BFloat16* out;
@@ -70,16 +86,26 @@ void attend_one(const Inputs& in, int64_t h, int64_t r, std::vector<float>& w) {
   const uint16_t* kh = in.keys + kv * in.key_head;
   const uint16_t* vh = in.values + kv * in.value_head;
   auto key_row = [&](int64_t j) { return j < before ? j : after[j - before]; };
-  w.resize(count);
-  float top = -INFINITY;
-  for (int64_t j = 0; j < count; ++j) {
-    const uint16_t* k = kh + key_row(j) * in.key_row;
-    __m512 a = _mm512_mul_ps(q[0], load_bf16(k));
-    for (int v = 1; v < NV; ++v) a = _mm512_fmadd_ps(q[v], load_bf16(k + v * kLanes), a);
-    w[j] = _mm512_reduce_add_ps(a);
-    top = w[j] > top ? w[j] : top;
-  }
+  w.resize(count + kLanes);
   float* wp = w.data();
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
+    const int64_t keys = count - j0 < kLanes ? count - j0 : kLanes;
+    __m512 a[kLanes];
+    for (int64_t u = 0; u < kLanes; ++u) {
+      if (u >= keys) {
+        a[u] = _mm512_setzero_ps();
+        continue;
+      }
+      const uint16_t* k = kh + key_row(j0 + u) * in.key_row;
+      a[u] = _mm512_mul_ps(q[0], load_bf16(k));
+      for (int v = 1; v < NV; ++v) a[u] = _mm512_fmadd_ps(q[v], load_bf16(k + v * kLanes), a[u]);
+    }
+    const __m512 scores = sum_lanes(a);
+    _mm512_storeu_ps(wp + j0, scores);
+    best = _mm512_mask_max_ps(best, static_cast<__mmask16>((1u << keys) - 1u), best, scores);
+  }
+  const float top = _mm512_reduce_max_ps(best);
   for (int64_t j = 0; j < count; ++j) wp[j] = exp_nonpositive(wp[j] - top);
   __m512 total = _mm512_setzero_ps();
   int64_t j = 0;
