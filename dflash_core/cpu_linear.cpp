@@ -19,6 +19,7 @@ namespace {
 constexpr int kBlock = 16;  // outputs per weight block: one register of float32 sums
 constexpr int kRows = 8;    // rows per register tile (8 x kCols sums + kCols weights in 32 registers)
 constexpr int kCols = 3;    // weight blocks per register tile
+constexpr int64_t kAhead = 8;     // pairs to prefetch ahead
 constexpr int64_t kPanel = 128;  // pairs per panel when rows come in several tiles: the panel's
                                  // weights stay in L1 while every row tile reads them
 
@@ -44,7 +45,12 @@ inline void tile(const Args& a, int64_t m0, int64_t b0, int64_t p0, int64_t p1, 
   for (int i = 0; i < MB; ++i) x[i] = a.x + (m0 + i) * a.x_stride;
   for (int64_t p = p0; p < p1; ++p) {
     __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * 2 * kBlock);
+    for (int j = 0; j < NB; ++j) {
+      // A few pairs ahead, so the weights' memory reads overlap the sums (measured: 5-15 % faster
+      // from 1 to 12 rows; 32 pairs ahead was slower).
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (p + kAhead) * 2 * kBlock), _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * 2 * kBlock);
+    }
     for (int i = 0; i < MB; ++i) {
       int32_t pair;
       std::memcpy(&pair, x[i] + 2 * p, sizeof pair);
