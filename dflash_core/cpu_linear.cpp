@@ -119,6 +119,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   const int64_t m = x.size(0), blocks = packed.size(0);
   x = x.contiguous();
   auto out = torch::empty({m, blocks * kBlock}, x.options());
+  TORCH_CHECK(!bias || bias->numel() == blocks * kBlock, "a bias of ", blocks * kBlock, " outputs");
   torch::Tensor b;
   if (bias) b = bias->to(torch::kFloat).contiguous();
   const Args a{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),

@@ -37,10 +37,11 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const int64_t dim = x.size(-1);
   TORCH_CHECK(dim % 16 == 0 && weight.numel() == dim, "dim a multiple of 16 and the weight's size");
   x = x.contiguous();
+  weight = weight.contiguous();
   auto out = torch::empty_like(x);
   const int64_t rows = x.numel() / dim;
   const auto* xs = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* ws = reinterpret_cast<const uint16_t*>(weight.contiguous().data_ptr<at::BFloat16>());
+  const auto* ws = reinterpret_cast<const uint16_t*>(weight.data_ptr<at::BFloat16>());
   auto* os = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
@@ -71,7 +72,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
                   sin.scalar_type() == torch::kBFloat16, "bf16 x, cos and sin");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x [heads, n, head_dim], the last dim contiguous");
   const int64_t heads = x.size(0), n = x.size(1), hd = x.size(2), half = hd / 2;
-  TORCH_CHECK(half % 16 == 0 && cos.size(0) == n && cos.size(1) == hd, "head_dim a multiple of 32; cos/sin [n, head_dim]");
+  TORCH_CHECK(half % 16 == 0 && cos.size(0) == n && cos.size(1) == hd && sin.sizes() == cos.sizes(),
+              "head_dim a multiple of 32; cos/sin [n, head_dim]");
   cos = cos.contiguous();
   sin = sin.contiguous();
   auto out = torch::empty({heads, n, hd}, x.options());

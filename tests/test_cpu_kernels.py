@@ -164,6 +164,8 @@ def test_the_linear_kernel_refuses_what_it_cannot_lay_out() -> None:
     with pytest.raises(RuntimeError, match="for 8 inputs"):
         packed = module.pack_linear(torch.zeros(16, 6, dtype=torch.bfloat16))
         module.linear(torch.zeros(2, 8, dtype=torch.bfloat16), packed, None)
+    with pytest.raises(RuntimeError, match="a bias of 16 outputs"):
+        module.linear(torch.zeros(2, 6, dtype=torch.bfloat16), packed, torch.zeros(15))
     # A layer the kernel cannot lay out multiplies through oneDNN, rows still invariant.
     odd = batch_invariant.InvariantLinear.of(torch.randn(20, 8).bfloat16(), None)
     assert odd.compiled is None
