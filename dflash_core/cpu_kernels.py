@@ -92,12 +92,11 @@ def unavailable_reason() -> str | None:
 
 def linear_kernel() -> Any:
     """The module when the compiled linear layers apply here (AVX512-BF16 without AMX), else None."""
-    from .batch_invariant import bf16_units
+    from .batch_invariant import _cpu_supports
 
-    module = kernel()
-    if module is None or bf16_units() != "AVX512-BF16" or not torch.cpu._is_avx512_bf16_supported():
+    if _cpu_supports("_is_amx_tile_supported") or not _cpu_supports("_is_avx512_bf16_supported"):
         return None
-    return module
+    return kernel()
 
 
 def linear_fits(weight: torch.Tensor) -> bool:
