@@ -80,6 +80,16 @@ def onednn_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 16)
 
 
+def bf16_layout(weight: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A bf16 [out, in] weight laid out once for its row-invariant GEMM, and the compiled module
+    that multiplies through it: the compiled kernel's layout where it applies (cpu_kernels.py),
+    else oneDNN's (module None, `onednn_linear`)."""
+    compiled = cpu_kernels.linear_kernel() if cpu_kernels.linear_fits(weight) else None
+    if compiled is not None:
+        return compiled.pack_linear(weight.detach().contiguous()), compiled
+    return onednn_weight(weight), None
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] (the weight's dtype) times a weight laid out by `onednn_weight`."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -111,10 +121,8 @@ class InvariantLinear:
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None) -> InvariantLinear:
         w = weight.detach().to(torch.bfloat16).contiguous()
         b = None if bias is None else bias.detach().to(torch.bfloat16)
-        compiled = cpu_kernels.linear_kernel() if cpu_kernels.linear_fits(w) else None
-        if compiled is not None:
-            return cls(w, b, compiled.pack_linear(w), compiled)
-        return cls(w, b, onednn_weight(w))
+        packed, compiled = bf16_layout(w)
+        return cls(w, b, packed, compiled)
 
     @classmethod
     def joined(cls, modules: list[torch.nn.Module]) -> InvariantLinear:

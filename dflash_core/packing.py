@@ -138,10 +138,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if weight.device.type != "cpu":
         return None
     if weight.dtype == torch.bfloat16:
-        compiled = cpu_kernels.linear_kernel()
-        if compiled is not None and cpu_kernels.linear_fits(weight):
-            return compiled.pack_linear(weight.detach().contiguous())
-        return batch_invariant.onednn_weight(weight) if batch_invariant.bf16_gemm_available() else None
+        return batch_invariant.bf16_layout(weight)[0] if batch_invariant.bf16_gemm_available() else None
     if weight.dtype == torch.float32 and onednn_fp32_works():
         return batch_invariant.onednn_weight(weight)
     if weight.dtype != torch.float32 or not mkl_packing_works():
