@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_bf16.h"
+
 #ifndef __AVX512F__
 #error "needs AVX-512: the batch-invariant path runs only on CPUs with AMX or AVX512-BF16"
 #endif
@@ -20,12 +22,6 @@
 namespace {
 
 constexpr int kLanes = 16;  // floats in one AVX-512 register
-
-// 16 bf16 values as floats: bf16 is the top half of a float's bits.
-inline __m512 load_bf16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // e^x for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial in plain
 // arithmetic so the loop that calls it is vectorised (libm's expf runs one value at a time).

@@ -1,7 +1,8 @@
-"""The batch-invariant bf16 maths as compiled calls: attention (`cpu_attention.cpp`) and, on
-CPUs with AVX512-BF16 but no AMX, the linear layers (`cpu_linear.cpp`).
+"""The batch-invariant bf16 maths as compiled calls: attention (`cpu_attention.cpp`), RMSNorm
+and RoPE (`cpu_rowwise.cpp`, layers.py), and on CPUs with AVX512-BF16 but no AMX the linear
+layers (`cpu_linear.cpp`).
 
-Both compute each result whole, in one fixed order, so a row's bits cannot depend on the pass:
+Each computes every result whole, in one fixed order, so a row's bits cannot depend on the pass:
 what `FastForward.rows_agree` checks on every load.
 
 - Attention: at a handful of rows, attention written as torch calls is nearly all call overhead.
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_rowwise.cpp")]
+HEADER = Path(__file__).with_name("cpu_bf16.h")  # bf16 helpers the sources share
 FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention's instantiations (other sizes take the torch calls)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
@@ -60,17 +62,19 @@ def _load() -> tuple[Any, str | None]:
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return None, f"this CPU has no AVX-512 ({torch.backends.cpu.get_cpu_capability()})"
     sources = [path.read_text() for path in SOURCES]
-    tag = hashlib.sha1(f"{sources}{FLAGS}{torch.backends.cpu.get_cpu_capability()}{torch.__version__}".encode())
+    capability = torch.backends.cpu.get_cpu_capability()
+    tag = hashlib.sha1(f"{sources}{HEADER.read_text()}{FLAGS}{capability}{torch.__version__}".encode())
     name = f"dflash_cpu_kernels_{tag.hexdigest()[:12]}"
     try:
         from torch.utils import cpp_extension
 
         _ninja_on_path()
         if not Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so").exists():
-            print("[cpu kernels] building the compiled attention and linear layers for this machine "
-                  "(once, ~40 s) ...", file=sys.stderr, flush=True)
+            print("[cpu kernels] building the compiled CPU kernels for this machine (once, ~40 s) ...",
+                  file=sys.stderr, flush=True)
         module = cpp_extension.load_inline(name=name, cpp_sources=sources, functions=FUNCTIONS,
-                                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"])
+                                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                           extra_include_paths=[str(HEADER.parent)])
     except Exception as err:  # no compiler, no ninja, a build error: the torch-call path runs
         lines = str(err).strip().splitlines()
         reason = f"{type(err).__name__}: {lines[-1] if lines else ''}"
@@ -80,8 +84,7 @@ def _load() -> tuple[Any, str | None]:
 
 
 def kernel() -> Any:
-    """The compiled module (`attention`, `pack_linear`, `linear`), built on first call; None
-    where it cannot be."""
+    """The compiled module (its `FUNCTIONS`), built on first call; None where it cannot be."""
     return _load()[0]
 
 

@@ -5,15 +5,12 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_bf16.h"
+
 #include <cmath>
 #include <cstdint>
 
 namespace {
-
-inline __m512 bf16_to_float(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // Round to nearest even, as torch's float -> bf16 conversion does (inputs here are finite).
 inline __m256i float_to_bf16(__m512 v) {
@@ -49,14 +46,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
       const uint16_t* xr = xs + r * dim;
       __m512 sq = _mm512_setzero_ps();
       for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 v = bf16_to_float(xr + d);
+        const __m512 v = load_bf16(xr + d);
         sq = _mm512_fmadd_ps(v, v, sq);
       }
       const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(dim) + e);
       const __m512 s = _mm512_set1_ps(scale);
       for (int64_t d = 0; d < dim; d += 16) {
-        const __m512 h = round_bf16(_mm512_mul_ps(bf16_to_float(xr + d), s));
-        const __m512 o = _mm512_mul_ps(bf16_to_float(ws + d), h);
+        const __m512 h = round_bf16(_mm512_mul_ps(load_bf16(xr + d), s));
+        const __m512 o = _mm512_mul_ps(load_bf16(ws + d), h);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(os + r * dim + d), float_to_bf16(o));
       }
     }
@@ -90,12 +87,12 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
       const uint16_t *cr = cs + t * hd, *sr = ss + t * hd;
       uint16_t* o = os + i * hd;
       for (int64_t d = 0; d < half; d += 16) {
-        const __m512 lo = bf16_to_float(xr + d), hi = bf16_to_float(xr + half + d);
+        const __m512 lo = load_bf16(xr + d), hi = load_bf16(xr + half + d);
         // first half: x * cos + (-x[half:]) * sin; second half: x * cos + x[:half] * sin
-        const __m512 a = round_bf16(_mm512_mul_ps(lo, bf16_to_float(cr + d)));
-        const __m512 b = round_bf16(_mm512_mul_ps(_mm512_xor_ps(hi, sign), bf16_to_float(sr + d)));
-        const __m512 c = round_bf16(_mm512_mul_ps(hi, bf16_to_float(cr + half + d)));
-        const __m512 e = round_bf16(_mm512_mul_ps(lo, bf16_to_float(sr + half + d)));
+        const __m512 a = round_bf16(_mm512_mul_ps(lo, load_bf16(cr + d)));
+        const __m512 b = round_bf16(_mm512_mul_ps(_mm512_xor_ps(hi, sign), load_bf16(sr + d)));
+        const __m512 c = round_bf16(_mm512_mul_ps(hi, load_bf16(cr + half + d)));
+        const __m512 e = round_bf16(_mm512_mul_ps(lo, load_bf16(sr + half + d)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), float_to_bf16(_mm512_add_ps(a, b)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + half + d), float_to_bf16(_mm512_add_ps(c, e)));
       }
