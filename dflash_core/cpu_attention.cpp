@@ -1,9 +1,11 @@
-// Row-invariant bf16 attention for the CPU, one (query head, row) at a time.
+// Row-invariant bf16 attention for the CPU.
 //
 // A row's output depends only on its query and the keys/values it sees, reduced in their
 // position order by the same instructions whatever the pass: a plain step, a verify chain or a
 // tree row gets the same bits for the same context (cpu_kernels.py says why that matters).
-// Each (head, row) is computed whole by one thread, so the thread split never changes a sum.
+// The query heads of one KV group and a few rows are computed together so that each key and value
+// is read once for all of them, but every query's sums run alone, in the same order, so neither
+// the grouping nor the thread split changes a bit.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -14,6 +16,7 @@
 #error "needs AVX-512: the batch-invariant path runs only on CPUs with AMX or AVX512-BF16"
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -64,62 +67,171 @@ struct Inputs {
   const uint16_t *q, *keys, *values;
   at::BFloat16* out;
   const int64_t *before, *after, *after_count;
-  int64_t heads, n, kv_heads, max_after, key_head, key_row, value_head, value_row;
+  int64_t heads, n, group, max_after, key_head, key_row, value_head, value_row;
   float scale;
 };
 
-// One (query head, row): NV registers of head_dim, keys in the order the row sees them.
+// One query: its row, head, and the buffer rows of the keys it sees (context, then its own).
+struct Query {
+  int64_t head, row, before, count;
+  const int64_t* after;
+  const uint16_t* q;
+  float* w;  // its scores, then its softmax weights
+  int64_t key_row(int64_t j) const { return j < before ? j : after[j - before]; }
+};
+
+#ifdef __AVX512BF16__
+// A query's dot products with 16 keys (rows[u], `keys` of them) as bf16 pairs (vdpbf16ps).
 template <int NV>
-void attend_one(const Inputs& in, int64_t h, int64_t r, std::vector<float>& w) {
-  constexpr int64_t dim = NV * kLanes;
-  const int64_t kv = h / (in.heads / in.kv_heads);
-  const uint16_t* qrow = in.q + (h * in.n + r) * dim;
-  const __m512 scale = _mm512_set1_ps(in.scale);
-  __m512 q[NV];
-  for (int v = 0; v < NV; ++v) q[v] = _mm512_mul_ps(load_bf16(qrow + v * kLanes), scale);
-  const int64_t before = in.before[r], count = before + in.after_count[r];
-  const int64_t* after = in.after + r * in.max_after;
-  const uint16_t* kh = in.keys + kv * in.key_head;
-  const uint16_t* vh = in.values + kv * in.value_head;
-  auto key_row = [&](int64_t j) { return j < before ? j : after[j - before]; };
-  w.resize(count + kLanes);
-  float* wp = w.data();
-  __m512 best = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < count; j0 += kLanes) {
-    const int64_t keys = count - j0 < kLanes ? count - j0 : kLanes;
-    __m512 a[kLanes];
-    for (int64_t u = 0; u < kLanes; ++u) {
-      if (u >= keys) {
-        a[u] = _mm512_setzero_ps();
-        continue;
-      }
-      const uint16_t* k = kh + key_row(j0 + u) * in.key_row;
-      a[u] = _mm512_mul_ps(q[0], load_bf16(k));
-      for (int v = 1; v < NV; ++v) a[u] = _mm512_fmadd_ps(q[v], load_bf16(k + v * kLanes), a[u]);
+inline __m512 scores16(const uint16_t* q, const uint16_t* kh, int64_t stride, const int64_t* rows, int64_t keys) {
+  constexpr int kPairs = (NV + 1) / 2;  // 32 bf16 per register
+  __m512bh qv[kPairs];
+  for (int c = 0; c < kPairs; ++c)
+    qv[c] = (NV % 2 && c == kPairs - 1) ? (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(q + 32 * c)))
+                                         : (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  __m512 a[kLanes];
+  for (int64_t u = 0; u < kLanes; ++u) {
+    a[u] = _mm512_setzero_ps();
+    if (u >= keys) continue;
+    const uint16_t* k = kh + rows[u] * stride;
+    for (int c = 0; c < kPairs; ++c) {
+      const __m512i kc = (NV % 2 && c == kPairs - 1) ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(k + 32 * c)))
+                                                     : _mm512_loadu_si512(k + 32 * c);
+      a[u] = _mm512_dpbf16_ps(a[u], qv[c], (__m512bh)kc);
     }
-    const __m512 scores = sum_lanes(a);
-    _mm512_storeu_ps(wp + j0, scores);
-    best = _mm512_mask_max_ps(best, static_cast<__mmask16>((1u << keys) - 1u), best, scores);
   }
-  const float top = _mm512_reduce_max_ps(best);
-  for (int64_t j = 0; j < count; ++j) wp[j] = exp_nonpositive(wp[j] - top);
+  return sum_lanes(a);
+}
+#else
+// CPUs without AVX512-BF16 never run the bf16 target; this keeps the extension building there.
+template <int NV>
+inline __m512 scores16(const uint16_t* q, const uint16_t* kh, int64_t stride, const int64_t* rows, int64_t keys) {
+  __m512 a[kLanes];
+  for (int64_t u = 0; u < kLanes; ++u) {
+    a[u] = _mm512_setzero_ps();
+    if (u >= keys) continue;
+    const uint16_t* k = kh + rows[u] * stride;
+    for (int v = 0; v < NV; ++v) a[u] = _mm512_fmadd_ps(load_bf16(q + v * kLanes), load_bf16(k + v * kLanes), a[u]);
+  }
+  return sum_lanes(a);
+}
+#endif
+
+// Scores of keys [j0, j0 + 16) in the query's order, scaled, stored; returns them for the maximum.
+template <int NV>
+inline __m512 score_block(const Inputs& in, const Query& qr, const uint16_t* kh, int64_t j0) {
+  const int64_t keys = std::min<int64_t>(kLanes, qr.count - j0);
+  int64_t rows[kLanes];
+  for (int64_t u = 0; u < keys; ++u) rows[u] = qr.key_row(j0 + u);
+  const __m512 s = _mm512_mul_ps(scores16<NV>(qr.q, kh, in.key_row, rows, keys), _mm512_set1_ps(in.scale));
+  _mm512_storeu_ps(qr.w + j0, s);
+  return s;
+}
+
+// Weights = exp(score - max) in place; returns their sum (the same order for every query).
+inline float softmax_weights(float* w, int64_t count, float top) {
+  for (int64_t j = 0; j < count; ++j) w[j] = exp_nonpositive(w[j] - top);
   __m512 total = _mm512_setzero_ps();
   int64_t j = 0;
-  for (; j + kLanes <= count; j += kLanes) total = _mm512_add_ps(total, _mm512_loadu_ps(wp + j));
-  total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (count - j)) - 1u), wp + j));
-  const float sum = _mm512_reduce_add_ps(total);
-  __m512 acc[NV];
-  for (int v = 0; v < NV; ++v) acc[v] = _mm512_setzero_ps();
-  for (int64_t jj = 0; jj < count; ++jj) {
-    const uint16_t* val = vh + key_row(jj) * in.value_row;
-    const __m512 wj = _mm512_set1_ps(wp[jj]);
-    for (int v = 0; v < NV; ++v) acc[v] = _mm512_fmadd_ps(wj, load_bf16(val + v * kLanes), acc[v]);
+  for (; j + kLanes <= count; j += kLanes) total = _mm512_add_ps(total, _mm512_loadu_ps(w + j));
+  total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (count - j)) - 1u), w + j));
+  return _mm512_reduce_add_ps(total);
+}
+
+// The weighted values of M queries: each accumulates over its keys in its own order, one key at
+// a time; the keys all of them see in place ([0, shared)) are loaded once for the M.
+template <int NV, int M>
+void weighted_values(const Inputs& in, const Query* qs, const float* sums, const uint16_t* vh, int64_t shared) {
+  __m512 acc[M][NV];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < shared; ++j) {
+    const uint16_t* val = vh + j * in.value_row;
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = load_bf16(val + v * kLanes);
+    for (int m = 0; m < M; ++m) {
+      const __m512 wj = _mm512_set1_ps(qs[m].w[j]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(wj, x[v], acc[m][v]);
+    }
   }
-  const __m512 inv = _mm512_set1_ps(1.0f / sum);
-  at::BFloat16* orow = in.out + (h * in.n + r) * dim;
-  alignas(64) float result[dim];
-  for (int v = 0; v < NV; ++v) _mm512_store_ps(result + v * kLanes, _mm512_mul_ps(acc[v], inv));
-  for (int64_t d = 0; d < dim; ++d) orow[d] = at::BFloat16(result[d]);
+  for (int m = 0; m < M; ++m) {
+    const Query& qr = qs[m];
+    for (int64_t j = shared; j < qr.count; ++j) {
+      const uint16_t* val = vh + qr.key_row(j) * in.value_row;
+      const __m512 wj = _mm512_set1_ps(qr.w[j]);
+      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(wj, load_bf16(val + v * kLanes), acc[m][v]);
+    }
+    constexpr int64_t dim = NV * kLanes;
+    const __m512 inv = _mm512_set1_ps(1.0f / sums[m]);
+    alignas(64) float result[dim];
+    for (int v = 0; v < NV; ++v) _mm512_store_ps(result + v * kLanes, _mm512_mul_ps(acc[m][v], inv));
+    at::BFloat16* orow = in.out + (qr.head * in.n + qr.row) * dim;
+    for (int64_t d = 0; d < dim; ++d) orow[d] = at::BFloat16(result[d]);
+  }
+}
+
+// Queries held in registers at once: M * NV accumulators, at most 24 of the 32 registers.
+template <int NV>
+constexpr int kTile = NV >= 16 ? 1 : std::min(8, 24 / NV);
+
+template <int NV, int M = kTile<NV>>
+void weighted_values_of(int m, const Inputs& in, const Query* qs, const float* sums, const uint16_t* vh,
+                        int64_t shared) {
+  if constexpr (M >= 1) {
+    if (m == M) return weighted_values<NV, M>(in, qs, sums, vh, shared);
+    weighted_values_of<NV, M - 1>(m, in, qs, sums, vh, shared);
+  }
+}
+
+// Queries [first, first + count) of KV group kv, numbered row-major (the group's heads of row 0,
+// then of row 1, ...), so that a tile's queries mostly see the same keys.
+template <int NV>
+void attend_tile(const Inputs& in, int64_t kv, int64_t first, int64_t count, std::vector<float>& scratch) {
+  Query qs[kTile<NV>];
+  int64_t most = 0, shared = INT64_MAX;
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t r = (first + i) / in.group, h = kv * in.group + (first + i) % in.group;
+    qs[i] = Query{h, r, in.before[r], in.before[r] + in.after_count[r], in.after + r * in.max_after,
+                  in.q + (h * in.n + r) * NV * kLanes, nullptr};
+    most = std::max(most, qs[i].count);
+    shared = std::min(shared, qs[i].before);
+  }
+  const int64_t width = most + kLanes;
+  scratch.resize(count * width);
+  for (int64_t i = 0; i < count; ++i) qs[i].w = scratch.data() + i * width;
+  const uint16_t* kh = in.keys + kv * in.key_head;
+  __m512 best[kTile<NV>];
+  for (int64_t i = 0; i < count; ++i) best[i] = _mm512_set1_ps(-INFINITY);
+  // Whole blocks of in-place keys, each read once for the tile; then each query's own keys.
+  const int64_t whole = shared / kLanes * kLanes;
+  for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
+    for (int64_t i = 0; i < count; ++i) best[i] = _mm512_max_ps(best[i], score_block<NV>(in, qs[i], kh, j0));
+  float sums[kTile<NV>];
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t j0 = whole; j0 < qs[i].count; j0 += kLanes) {
+      const int64_t keys = std::min<int64_t>(kLanes, qs[i].count - j0);
+      best[i] = _mm512_mask_max_ps(best[i], static_cast<__mmask16>((1u << keys) - 1u), best[i],
+                                   score_block<NV>(in, qs[i], kh, j0));
+    }
+    sums[i] = softmax_weights(qs[i].w, qs[i].count, _mm512_reduce_max_ps(best[i]));
+  }
+  weighted_values_of<NV>(static_cast<int>(count), in, qs, sums, in.values + kv * in.value_head, shared);
+}
+
+template <int NV>
+void attend(const Inputs& in, int64_t kv_heads) {
+  // Tiles of up to kTile queries, but at least two per thread when the pass is small (a plain
+  // step has 3 queries per group) so both cores work.
+  const int64_t per_group = in.group * in.n, threads = at::get_num_threads();
+  const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kTile<NV>, per_group * kv_heads / (2 * threads)));
+  const int64_t tiles = (per_group + tile - 1) / tile;
+  at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t kv = item / tiles, first = item % tiles * tile;
+      attend_tile<NV>(in, kv, first, std::min(tile, per_group - first), scratch);
+    }
+  });
 }
 
 }  // namespace
@@ -136,28 +248,23 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor keys, torch::Tensor value
   before = before.to(torch::kLong).contiguous();
   after = after.to(torch::kLong).contiguous();
   after_count = after_count.to(torch::kLong).contiguous();
-  const int64_t heads = q.size(0), n = q.size(1), dim = q.size(2);
-  TORCH_CHECK(keys.size(2) == dim && values.size(2) >= dim && heads % keys.size(0) == 0, "shapes disagree");
+  const int64_t heads = q.size(0), n = q.size(1), dim = q.size(2), kv_heads = keys.size(0);
+  TORCH_CHECK(keys.size(2) == dim && values.size(2) >= dim && heads % kv_heads == 0, "shapes disagree");
   auto out = torch::empty({heads, n, dim}, q.options());
   const Inputs in{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(keys.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(values.data_ptr<at::BFloat16>()),
                   out.data_ptr<at::BFloat16>(),
                   before.data_ptr<int64_t>(), after.data_ptr<int64_t>(), after_count.data_ptr<int64_t>(),
-                  heads, n, keys.size(0), after.size(1), keys.stride(0), keys.stride(1),
+                  heads, n, heads / kv_heads, after.size(1), keys.stride(0), keys.stride(1),
                   values.stride(0), values.stride(1), static_cast<float>(scale)};
-  void (*one)(const Inputs&, int64_t, int64_t, std::vector<float>&) = nullptr;
   switch (dim) {
-    case 16: one = attend_one<1>; break;
-    case 32: one = attend_one<2>; break;
-    case 64: one = attend_one<4>; break;
-    case 128: one = attend_one<8>; break;
-    case 256: one = attend_one<16>; break;
+    case 16: attend<1>(in, kv_heads); break;
+    case 32: attend<2>(in, kv_heads); break;
+    case 64: attend<4>(in, kv_heads); break;
+    case 128: attend<8>(in, kv_heads); break;
+    case 256: attend<16>(in, kv_heads); break;
     default: TORCH_CHECK(false, "head_dim ", dim, " is not one of 16, 32, 64, 128, 256");
   }
-  at::parallel_for(0, heads * n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w;
-    for (int64_t item = begin; item < end; ++item) one(in, item / n, item % n, w);
-  });
   return out;
 }

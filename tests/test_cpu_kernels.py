@@ -78,10 +78,11 @@ def test_a_rows_bits_depend_only_on_the_keys_it_sees() -> None:
     q = torch.randn(9, 1, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     alone = run(q, keys, values, [261], [[]])  # keys 0..260
     others = torch.randn(9, 12, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
-    for pos in range(12):
-        chain = torch.cat([others[:, :pos], q, others[:, pos + 1 :]], 1)
-        got = run(chain, keys, values, [261 - pos + i for i in range(12)], [[]] * 12)  # row pos sees 0..260
-        assert torch.equal(got[:, pos], alone[:, 0]), pos
+    for size in (2, 5, 12):  # the kernel groups a pass's queries in tiles sized by its row count
+        for pos in range(size):
+            chain = torch.cat([others[:, :pos], q, others[:, pos + 1 : size]], 1)
+            got = run(chain, keys, values, [261 - pos + i for i in range(size)], [[]] * size)  # row pos: 0..260
+            assert torch.equal(got[:, pos], alone[:, 0]), (size, pos)
     # The tree row: keys 0..249 in place, then 250..260, which a tree pass writes to other rows.
     moved_keys, moved_values = keys.clone(), values.clone()
     moved_keys[:, 270:281], moved_values[:, 270:281] = keys[:, 250:261], values[:, 250:261]
