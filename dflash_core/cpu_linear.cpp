@@ -19,7 +19,6 @@ namespace {
 constexpr int kBlock = 16;  // outputs per weight block: one register of float32 sums
 constexpr int kRows = 8;    // rows per register tile (8 x kCols sums + kCols weights in 32 registers)
 constexpr int kCols = 3;    // weight blocks per register tile
-constexpr int64_t kAhead = 8;     // pairs to prefetch ahead
 constexpr int64_t kPanel = 128;  // pairs per panel when rows come in several tiles: the panel's
                                  // weights stay in L1 while every row tile reads them
 
@@ -29,7 +28,13 @@ struct Args {
   const float* bias;
   uint16_t* out;
   int64_t pairs, x_stride, out_stride;
+  int64_t ahead;  // pairs to prefetch ahead (`prefetch_distance`)
 };
+
+// How far ahead to fetch the weights into L2, in pairs (one cache line per weight block): far
+// enough that a core keeps enough reads in flight for the memory's bandwidth while its sums take
+// longer with more rows (distances measured on a Zen 4: bench/HISTORY.md).
+inline int64_t prefetch_distance(int64_t rows) { return rows <= 4 ? 24 : 40; }
 
 // Rows [m0, m0 + MB) times weight blocks [b0, b0 + NB) over pairs [p0, p1); `sums` carries the
 // float32 sums from one panel to the next.
@@ -46,9 +51,7 @@ inline void tile(const Args& a, int64_t m0, int64_t b0, int64_t p0, int64_t p1, 
   for (int64_t p = p0; p < p1; ++p) {
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) {
-      // A few pairs ahead, so the weights' memory reads overlap the sums (measured: 5-15 % faster
-      // from 1 to 12 rows; 32 pairs ahead was slower).
-      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (p + kAhead) * 2 * kBlock), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w[j] + (p + a.ahead) * 2 * kBlock), _MM_HINT_T1);
       wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + p * 2 * kBlock);
     }
     for (int i = 0; i < MB; ++i) {
@@ -125,7 +128,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   const Args a{reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()),
                bias ? b.data_ptr<float>() : nullptr,
-               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), packed.size(1), x.size(1), blocks * kBlock};
+               reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), packed.size(1), x.size(1), blocks * kBlock,
+               prefetch_distance(m)};
   if (m == 0) return out;
   const int64_t tiles = (blocks + kCols - 1) / kCols;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
