@@ -25,7 +25,7 @@ from .dflash2 import CandidateSelector, DynamicConv
 from .drafter_config import DFlashConfig
 from .drafter_io import DRAFT_VOCAB_NAME, load_draft_vocab, read_config, read_weights, resolve, write_checkpoint
 from .errors import DFlashError
-from .layers import RMSNorm, apply_rope, rope_cos_sin
+from .layers import RMSNorm, apply_rope, full_attention, rope_cos_sin
 from .packing import Linear, PackingLinear, weight_key
 
 
@@ -272,7 +272,10 @@ class DFlashDrafter(nn.Module):
             cache.write(i, ctx_start, k[None], v.view(-1, nkv, hd).transpose(0, 1)[None])
             lo, mask = visible[kinds[i]]
             keys, values = cache.view(i, lo, block_start + bsz)
-            out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=nkv != nh)[0]
+            if mask is None:
+                out = full_attention(q, keys[0], values[0])
+            else:
+                out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=nkv != nh)[0]
             h = h + conv_out(layer.attention_conv, attn.o_proj(out.transpose(0, 1).reshape(bsz, nh * hd)), kernel, bsz)
             x, kernel = conv_in(layer.mlp_conv, layer.post_attention_layernorm(h), bsz)
             gate, up = fused[f"gate_up{i}"](x).chunk(2, -1)

@@ -119,3 +119,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
+
+
+def full_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """q [heads, n, head_dim] over keys/values [kv_heads, S, head_dim] that every query sees (a
+    drafter's full, bidirectional layer); [heads, n, head_dim]. In bf16 on a CPU, the compiled
+    attention (~15 µs for a 16-row block against SDPA's ~80)."""
+    compiled = _compiled(q, keys, values, multiple=16)
+    if compiled is not None and q.shape[-1] in cpu_kernels.HEAD_DIMS:
+        n = q.shape[1]
+        sees_all = torch.full((n,), keys.shape[1], dtype=torch.long)
+        return compiled.attention(q, keys, values, sees_all, torch.empty((n, 0), dtype=torch.long),
+                                  torch.zeros(n, dtype=torch.long), q.shape[-1] ** -0.5)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q[None], keys[None], values[None], enable_gqa=keys.shape[0] != q.shape[0])[0]

@@ -111,6 +111,19 @@ def test_other_head_sizes_take_the_torch_calls() -> None:
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
+@needs_kernel
+@pytest.mark.parametrize("hd", [64, 48])
+def test_a_drafters_full_attention_is_sdpas(hd: int) -> None:
+    """Every block row sees every key (the drafter's bidirectional layers): the kernel where the
+    head size has one, SDPA otherwise, the same attention either way."""
+    keys, values = random_cache(3, 70, hd, seed=hd)
+    q = torch.randn(9, 16, hd, generator=torch.Generator().manual_seed(6)).bfloat16()
+    want = F.scaled_dot_product_attention(q[None].float(), keys[None].float(), values[None, ..., :hd].float(),
+                                          enable_gqa=True)[0]
+    got = layers.full_attention(q, keys, values[..., :hd])
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 needs_linear = pytest.mark.skipif(cpu_kernels.linear_kernel() is None,
                                   reason="the compiled linear layers apply on AVX512-BF16 without AMX")
 
