@@ -14,6 +14,29 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 
+class LayerStack:
+    """The buffers of a cache's layers as slices of one tensor for keys and one for values, when
+    every layer's are the same shape: a tree pass's accepted rows then move in one copy for all
+    layers (`TargetCache.keep_rows`), not two per layer. Allocated by the first layer to need it."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self.keys: torch.Tensor | None = None  # [layers, b, heads, max_len, key_dim]
+        self.values: torch.Tensor | None = None  # [layers, b, heads, max_len, value width]
+        self.complete = True  # False once a layer's shape differed and it took its own buffers
+
+    def slices(self, index: int, keys: tuple[int, ...], values: tuple[int, ...], like: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.keys is None:
+            self.keys = like.new_zeros((self.num_layers, *keys))
+            self.values = like.new_zeros((self.num_layers, *values))
+        assert self.values is not None
+        if self.keys.shape[1:] != keys or self.values.shape[1:] != values or self.keys.dtype != like.dtype:
+            self.complete = False
+            return None
+        return self.keys[index], self.values[index]
+
+
 class PreallocatedLayer(CacheLayerMixin):
     """One attention layer's keys/values in fixed buffers; `length` says how much is valid."""
 
@@ -21,9 +44,11 @@ class PreallocatedLayer(CacheLayerMixin):
     is_croppable = True
     is_sliding = False
 
-    def __init__(self, max_cache_len: int, value_ones: bool = False, **kwargs: object) -> None:
+    def __init__(self, max_cache_len: int, value_ones: bool = False, stack: LayerStack | None = None,
+                 index: int = 0, **kwargs: object) -> None:
         super().__init__()
         self.max_cache_len = max_cache_len
+        self.stack, self.index = stack, index
         self.indexer_keys: torch.Tensor | None = None  # DeepSeek-V3.2's indexer keys [b, max_len, d]
         self.indexer_length = 0
         self.length = 0
@@ -44,16 +69,26 @@ class PreallocatedLayer(CacheLayerMixin):
         b, h, _, dk = key_states.shape
         dv = value_states.shape[-1]
         self.device = key_states.device
-        self.keys = key_states.new_zeros((b, h, self.max_cache_len, dk))
+        # Values with a column of ones after them, `values` being the view without it: one
+        # GEMM of attention weights against this gives the weighted values and the weights'
+        # total together (batch_invariant.attention).
+        width = dv + 1 if self.value_ones else dv
+        shared = None
+        if self.stack is not None and value_states.dtype == key_states.dtype:
+            shared = self.stack.slices(self.index, (b, h, self.max_cache_len, dk), (b, h, self.max_cache_len, width),
+                                       key_states)
+        if shared is None:
+            if self.stack is not None:
+                self.stack.complete = False
+            shared = (key_states.new_zeros((b, h, self.max_cache_len, dk)),
+                      value_states.new_zeros((b, h, self.max_cache_len, width)))
+        self.keys, values = shared
         if self.value_ones:
-            # Values with a column of ones after them, `values` being the view without it: one
-            # GEMM of attention weights against this gives the weighted values and the weights'
-            # total together (batch_invariant.attention).
-            self.values_ones = value_states.new_zeros((b, h, self.max_cache_len, dv + 1))
+            self.values_ones = values
             self.values_ones[..., dv] = 1
             self.values = self.values_ones[..., :dv]
         else:
-            self.values = value_states.new_zeros((b, h, self.max_cache_len, dv))
+            self.values = values
         self.is_initialized = True
 
     def update(
@@ -103,7 +138,8 @@ class TargetCache(Cache):
     """A transformers cache of `PreallocatedLayer`s for every layer of the target."""
 
     def __init__(self, num_layers: int, max_cache_len: int, value_ones: bool = False) -> None:
-        super().__init__(layers=[PreallocatedLayer(max_cache_len, value_ones) for _ in range(num_layers)])
+        self.stack = LayerStack(num_layers)
+        super().__init__(layers=[PreallocatedLayer(max_cache_len, value_ones, self.stack, i) for i in range(num_layers)])
 
     @property
     def max_cache_len(self) -> int:
@@ -126,10 +162,17 @@ class TargetCache(Cache):
             first = self.layers[0]
             src = torch.tensor(rows[k:], device=first.keys.device) + start
             end = start + len(rows)
+            # Advanced indexing gathers a copy first, so overlapping source and target are fine.
+            stack = self.stack
+            if stack.complete and stack.keys is not None and all(layer.is_initialized for layer in self.layers):
+                assert stack.values is not None
+                stack.keys[:, :, :, start + k : end] = stack.keys[:, :, :, src]
+                stack.values[:, :, :, start + k : end] = stack.values[:, :, :, src]
+            else:
+                for layer in self.layers:
+                    layer.keys[:, :, start + k : end] = layer.keys[:, :, src]
+                    layer.values[:, :, start + k : end] = layer.values[:, :, src]
             for layer in self.layers:
-                # Advanced indexing gathers a copy first, so overlapping source and target are fine.
-                layer.keys[:, :, start + k : end] = layer.keys[:, :, src]
-                layer.values[:, :, start + k : end] = layer.values[:, :, src]
                 if layer.indexer_keys is not None:
                     layer.indexer_keys[:, start + k : end] = layer.indexer_keys[:, src]
         self.truncate(start + len(rows))

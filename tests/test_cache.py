@@ -57,3 +57,26 @@ def test_latent_keys_values_of_other_widths_and_indexer_keys_roll_back_together(
     again = step(2)
     assert again.shape == (1, 5, 8) and torch.equal(again[:, :3], first[:, :3])
     assert cache.length == cache.layers[0].indexer_length == 5 and cache.layers[0].keys is keys
+
+
+@pytest.mark.parametrize("same_shapes", [True, False])
+@pytest.mark.parametrize("value_ones", [True, False])
+def test_keep_rows_moves_every_layers_accepted_rows(same_shapes: bool, value_ones: bool) -> None:
+    """A tree pass appended 6 rows at position 3 and the path kept rows 0, 2, 5. Layers of one
+    shape share one buffer (moved in one copy); a layer of another shape keeps its own."""
+    cache = TargetCache(num_layers=3, max_cache_len=16, value_ones=value_ones)
+    g = torch.Generator().manual_seed(0)
+    written = []
+    for layer in range(3):
+        width = 4 if same_shapes or layer != 1 else 8
+        k, v = torch.randn(1, 2, 9, width, generator=g), torch.randn(1, 2, 9, width, generator=g)
+        cache.update(k, v, layer)
+        written.append((k, v))
+    assert cache.stack.complete == same_shapes
+    cache.keep_rows(3, [0, 2, 5])
+    assert cache.length == 6
+    for layer, (k, v) in zip(cache.layers, written, strict=True):
+        rows = [0, 1, 2, 3, 5, 8]
+        assert torch.equal(layer.keys[:, :, :6], k[:, :, rows]) and torch.equal(layer.values[:, :, :6], v[:, :, rows])
+        if value_ones:
+            assert torch.equal(layer.values_ones[..., -1], torch.ones(1, 2, 16))
