@@ -94,32 +94,37 @@ class BlockDrafter:
             hidden = drafter.step(target.embed(tokens[None]), start, cache, context)
             context = None  # the context is cached after the first step
             logits = self.logits(hidden[0, 1:])
-            if sampler.greedy:
-                probs = torch.softmax(logits, -1)
-                conf, pick = probs.max(-1)
-                order = torch.where(fixed, float("-inf"), conf)  # most confident unfixed first
-            else:
-                probs = sampler.probs(logits)
-                pick = sample(probs, sampler.generator)
-                conf = probs.gather(-1, pick[:, None])[:, 0]
-                order = torch.where(fixed, float("-inf"), -torch.arange(n, device=dev, dtype=torch.float))
-            if confidence is None:  # first step, before any token is drawn (see verify_length)
-                confidence = conf if sampler.greedy else probs.max(-1).values
+            probs = torch.softmax(logits, -1) if sampler.greedy else sampler.probs(logits)
+            if top is None:  # first step, before any token is drawn (see verify_length)
                 top_p, top_i = probs.topk(min(BRANCHING, probs.shape[-1]), -1)
                 top = (top_p, top_i if vocab is None else vocab[top_i])
+                confidence = top_p[:, 0]
+                if sampler.greedy:
+                    conf, pick = top_p[:, 0], top_i[:, 0]
+            elif sampler.greedy:
+                conf, pick = probs.max(-1)
+            if not sampler.greedy:
+                pick = sample(probs, sampler.generator)
+                conf = probs.gather(-1, pick[:, None])[:, 0]
             guess = pick if vocab is None else vocab[pick]
-            guess = torch.where(fixed, tokens[1:], guess)
-            conf = torch.where(fixed, chosen_p, conf)
-            newly = torch.zeros_like(fixed)
-            newly[torch.topk(order, n_fixed - done).indices] = True
-            newly &= ~fixed
+            if done == 0 and n_fixed == n:  # one step fixes every position (DFlash as published)
+                newly = torch.ones_like(fixed)
+            else:
+                # greedy: the most confident unfixed first; sampling: left to right
+                rank = conf if sampler.greedy else -torch.arange(n, device=dev, dtype=torch.float)
+                order = torch.where(fixed, float("-inf"), rank)
+                guess = torch.where(fixed, tokens[1:], guess)
+                conf = torch.where(fixed, chosen_p, conf)
+                newly = torch.zeros_like(fixed)
+                newly[torch.topk(order, n_fixed - done).indices] = True
+                newly &= ~fixed
             done = n_fixed
             tokens[1:] = torch.where(newly, guess, tokens[1:])
             chosen_p = torch.where(newly, conf, chosen_p)
             if not sampler.greedy:  # each row: q of the step that fixed its position (step 1 fills them all first)
                 q_sub = probs if q_sub is None else torch.where(newly[:, None], probs, q_sub)
             fixed = fixed | newly
-            history.append((guess.clone(), conf.clone(), fixed.clone()))
+            history.append((guess, conf, fixed))  # fresh tensors each step: nothing changes them later
         q = None
         if q_sub is not None:  # the accept rule reads q over the whole vocabulary
             q = q_sub if vocab is None else q_sub.new_zeros(n, target.vocab_size).index_copy_(1, vocab, q_sub)
