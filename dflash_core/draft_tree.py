@@ -148,31 +148,43 @@ def grow_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: int,
     return DraftTree(tokens, parents, depths, scores)
 
 
+Chain = tuple[list[int], list[float], str]  # a guess below the anchor: tokens, scores, who guessed
+
+
 def add_chain(tree: DraftTree, tokens: list[int], scores: list[float], source: str = "lookup") -> DraftTree:
     """`tree` with a chain of guesses below the anchor merged in (prompt lookup's, or the n-gram
-    table's: `source`): a guess equal to an existing node under the same parent raises that
-    node's score to the guess's; the others become new nodes. Scores are then capped by their
-    parent's, and the nodes re-sorted best first (ties: shallower first), so every prefix is
-    still a tree."""
+    table's: `source`); see `add_chains`."""
+    return add_chains(tree, [(tokens, scores, source)])
+
+
+def add_chains(tree: DraftTree, chains: list[Chain]) -> DraftTree:
+    """`tree` with chains of guesses below the anchor merged in, in order: a guess equal to an
+    existing node under the same parent raises that node's score to the guess's; the others
+    become new nodes. Scores are then capped by their parent's, and the nodes re-sorted best
+    first (ties: shallower first), so every prefix is still a tree. One sort for all the chains
+    of a block (lookup.py merges up to ten)."""
+    if not chains:
+        return tree
     toks, pars, deps = list(tree.tokens), list(tree.parents), list(tree.depths)
     scs, looked = list(tree.scores), [tree.is_lookup(i) for i in range(len(tree))]
     by = [tree.source(i) if looked[i] else "" for i in range(len(tree))]
     children = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks, strict=True))}
-    parent = -1
-    for depth, (tok, score) in enumerate(zip(tokens, scores, strict=True), start=1):
-        node = children.get((parent, tok))
-        if node is None:
-            node = len(toks)
-            toks.append(tok)
-            pars.append(parent)
-            deps.append(depth)
-            scs.append(score)
-            looked.append(True)
-            by.append(source)
-            children[(parent, tok)] = node
-        else:
-            scs[node] = max(scs[node], score)
-        parent = node
+    for tokens, scores, source in chains:
+        parent = -1
+        for depth, (tok, score) in enumerate(zip(tokens, scores, strict=True), start=1):
+            node = children.get((parent, tok))
+            if node is None:
+                node = len(toks)
+                toks.append(tok)
+                pars.append(parent)
+                deps.append(depth)
+                scs.append(score)
+                looked.append(True)
+                by.append(source)
+                children[(parent, tok)] = node
+            else:
+                scs[node] = max(scs[node], score)
+            parent = node
     for i, p in enumerate(pars):  # parents precede children here too, so one pass caps every path
         if p >= 0:
             scs[i] = min(scs[i], scs[p])
@@ -187,12 +199,11 @@ def visibility(tree: DraftTree, device: torch.device | str = "cpu") -> torch.Ten
     """bool [n+1, n+1] over [anchor, nodes...]: row i may attend to column j (j is i itself,
     the anchor or an ancestor of i)."""
     n = len(tree)
-    seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    seen[:, 0] = True
+    rows: list[list[int]] = [[0]]  # the rows each row sees (one small tensor write for them all)
     for i, parent in enumerate(tree.parents, start=1):
-        if parent >= 0:
-            seen[i] = seen[parent + 1]
-        seen[i, i] = True
+        rows.append([*rows[parent + 1], i])
+    seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    seen[[i for i, row in enumerate(rows) for _ in row], [j for row in rows for j in row]] = True
     return seen.to(device)
 
 

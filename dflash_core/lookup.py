@@ -5,7 +5,7 @@ reply repeats itself. So after the committed tokens' last n-gram (n = 3, 2, 1, l
 the tokens that followed its most recent earlier occurrence are a good guess for what follows
 now (and, when a 3-gram's continuation runs into the end of the text, the reply is looping: the
 guess repeats that period to the block's end). Those guesses join the drafter's candidates in
-the tree (`draft_tree.add_chain`); the target checks both in the same pass. It costs no model:
+the tree (`draft_tree.add_chains`); the target checks both in the same pass. It costs no model:
 an index of n-grams, updated as tokens commit.
 The drafter's best few nodes get a guess too, read as if their tokens were committed
 (`with_lookup`): the drafter may see a repeat coming one token before the committed text does.
@@ -31,7 +31,7 @@ overrated guesses would make trees larger than pays.
 from __future__ import annotations
 
 from .corpus import ORDER, CorpusNgrams
-from .draft_tree import DraftTree, add_chain
+from .draft_tree import Chain, DraftTree, add_chains
 
 MAX_NGRAM = 3
 BRANCHES = 4  # the drafter's best nodes that also get a guess for what follows them
@@ -139,6 +139,7 @@ def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_dept
     # the anchor (an empty path, certain) first, then the drafter's best nodes
     starts = [([], [])] + [([tree.tokens[j] for j in p], [tree.scores[j] for j in p]) for p in nodes]
     anchor_guess: tuple[int, list[int]] = (0, [])
+    chains: list[Chain] = []
     for path, path_scores in starts:
         room = max_depth - len(path)
         if room <= 0:
@@ -149,9 +150,9 @@ def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_dept
             anchor_guess = (n, guess)
         if guess:
             rated = rates.scores(n, len(guess))
-            tree = add_chain(tree, path + guess, path_scores + [above * r**GUESS_CALIBRATION for r in rated])
+            chains.append((path + guess, path_scores + [above * r**GUESS_CALIBRATION for r in rated], "lookup"))
         if corpus is not None:
             guess, below = corpus.chain([*index.ids[-ORDER:], *path], room, above, power=GUESS_CALIBRATION)
             if guess:
-                tree = add_chain(tree, path + guess, path_scores + below, source="ngram")
-    return tree, anchor_guess
+                chains.append((path + guess, path_scores + below, "ngram"))
+    return add_chains(tree, chains), anchor_guess
