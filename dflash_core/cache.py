@@ -139,7 +139,8 @@ class TargetCache(Cache):
 
     def __init__(self, num_layers: int, max_cache_len: int, value_ones: bool = False) -> None:
         self.stack = LayerStack(num_layers)
-        super().__init__(layers=[PreallocatedLayer(max_cache_len, value_ones, self.stack, i) for i in range(num_layers)])
+        layers = [PreallocatedLayer(max_cache_len, value_ones, self.stack, i) for i in range(num_layers)]
+        super().__init__(layers=layers)
 
     @property
     def max_cache_len(self) -> int:
