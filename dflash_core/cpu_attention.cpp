@@ -26,27 +26,6 @@ namespace {
 
 constexpr int kLanes = 16;  // floats in one AVX-512 register
 
-// e^x for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial in plain
-// arithmetic so the loop that calls it is vectorised (libm's expf runs one value at a time).
-// About 2 ulp; the output is rounded to bf16 in the end anyway.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  // n = round(x / ln 2) by the 1.5 * 2^23 trick: floor() would keep the loop scalar.
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // Lane u of the result: the sum of a[u]'s 16 lanes, added in the same order for every u (so a
 // score's bits do not depend on where its key falls among the 16).
 inline __m512 sum_lanes(__m512 a[kLanes]) {

@@ -1,6 +1,6 @@
-"""The batch-invariant bf16 maths as compiled calls: attention (`cpu_attention.cpp`), RMSNorm
-and RoPE (`cpu_rowwise.cpp`, layers.py), and on CPUs with AVX512-BF16 but no AMX the linear
-layers (`cpu_linear.cpp`).
+"""The batch-invariant bf16 maths as compiled calls: attention (`cpu_attention.cpp`), RMSNorm,
+RoPE and SwiGLU's SiLU-times-up (`cpu_rowwise.cpp`, layers.py), and on CPUs with AVX512-BF16 but
+no AMX the linear layers (`cpu_linear.cpp`).
 
 Each computes every result whole, in one fixed order, so a row's bits cannot depend on the pass:
 what `FastForward.rows_agree` checks on every load.
@@ -38,7 +38,7 @@ import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_rowwise.cpp")]
 HEADER = Path(__file__).with_name("cpu_bf16.h")  # bf16 helpers the sources share
-FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope"]
+FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope", "swiglu"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention's instantiations (other sizes take the torch calls)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 log = logging.getLogger(__name__)

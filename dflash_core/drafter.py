@@ -25,7 +25,7 @@ from .dflash2 import CandidateSelector, DynamicConv
 from .drafter_config import DFlashConfig
 from .drafter_io import DRAFT_VOCAB_NAME, load_draft_vocab, read_config, read_weights, resolve, write_checkpoint
 from .errors import DFlashError
-from .layers import RMSNorm, apply_rope, full_attention, rope_cos_sin
+from .layers import RMSNorm, apply_rope, full_attention, rope_cos_sin, swiglu
 from .packing import Linear, PackingLinear, weight_key
 
 
@@ -278,8 +278,7 @@ class DFlashDrafter(nn.Module):
                 out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=nkv != nh)[0]
             h = h + conv_out(layer.attention_conv, attn.o_proj(out.transpose(0, 1).reshape(bsz, nh * hd)), kernel, bsz)
             x, kernel = conv_in(layer.mlp_conv, layer.post_attention_layernorm(h), bsz)
-            gate, up = fused[f"gate_up{i}"](x).chunk(2, -1)
-            h = h + conv_out(layer.mlp_conv, layer.mlp.down_proj(F.silu(gate) * up), kernel, bsz)
+            h = h + conv_out(layer.mlp_conv, layer.mlp.down_proj(swiglu(fused[f"gate_up{i}"](x))), kernel, bsz)
         cache.length = block_start
         return self.norm(h)[None]
 

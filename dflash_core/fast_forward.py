@@ -28,7 +28,7 @@ from .batch_invariant import AttentionPlan, InvariantLinear
 from .cache import TargetCache
 from .draft_tree import DraftTree, visibility
 from .fast_forward_support import unsupported_reason
-from .layers import apply_rope, rms_norm
+from .layers import apply_rope, rms_norm, swiglu
 from .packing import PACK_BATCH_HINT, PACKED_MIN_ROWS, Linear, available_memory, onednn_layout, packed_agrees
 
 
@@ -346,11 +346,11 @@ class FastForward:
             x = x + linear(layer.o, out.reshape(nh, n, hd).transpose(0, 1).reshape(n, nh * hd))
             h = layer.mlp_norm(x)
             if layer.gate_up is not None:
-                gate, up = linear(layer.gate_up, h).chunk(2, -1)
+                act = swiglu(linear(layer.gate_up, h))
             else:
                 assert layer.gate is not None and layer.up is not None
-                gate, up = linear(layer.gate, h), linear(layer.up, h)
-            x = x + linear(layer.down, F.silu(gate) * up)
+                act = F.silu(linear(layer.gate, h)) * linear(layer.up, h)
+            x = x + linear(layer.down, act)
             if i in wanted:
                 feats[i] = x
         if len(self.layers) - 1 in wanted and self.norm_last_hidden:

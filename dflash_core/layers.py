@@ -133,3 +133,13 @@ def full_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) ->
                                   torch.zeros(n, dtype=torch.long), q.shape[-1] ** -0.5)
     return torch.nn.functional.scaled_dot_product_attention(
         q[None], keys[None], values[None], enable_gqa=keys.shape[0] != q.shape[0])[0]
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [rows, 2 * inner] (the two side by side, as one GEMM gives
+    them). In bf16 on a CPU, one compiled call with torch's two roundings (~1 µs against ~12)."""
+    compiled = _compiled(gate_up, multiple=32) if gate_up.dim() == 2 else None
+    if compiled is not None:
+        return compiled.swiglu(gate_up)
+    gate, up = gate_up.chunk(2, -1)
+    return torch.nn.functional.silu(gate) * up

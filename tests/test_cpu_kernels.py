@@ -216,6 +216,17 @@ def torch_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7])
+def test_swiglu_is_torchs_within_bf16_rounding(rows: int) -> None:
+    gate_up = (torch.randn(rows, 2 * 1536, generator=torch.Generator().manual_seed(rows)) * 4).bfloat16()
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 100.0, -100.0, 1e-30, -1e-30, 20.0, -20.0])  # the exp's edges
+    got = layers.swiglu(gate_up)
+    gate, up = gate_up.chunk(2, -1)
+    torch.testing.assert_close(got, F.silu(gate) * up, atol=0, rtol=2**-7)  # one bf16 step at most
+    assert torch.equal(layers.swiglu(gate_up[:1]), got[:1])  # a row alone, the same bits
+
+
 def test_training_keeps_the_torch_calls() -> None:
     """With gradients wanted, the norm is torch's (the compiled call has no backward)."""
     x = torch.randn(3, 64).bfloat16().requires_grad_()
