@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import batch_invariant
+from . import batch_invariant, cpu_kernels
 from .batch_invariant import AttentionPlan, InvariantLinear
 from .cache import TargetCache
 from .draft_tree import DraftTree, visibility
@@ -131,6 +131,32 @@ class FastForward:
         # transformers reports the last layer's output after the final norm unless a config
         # says otherwise (a few vision models do).
         self.norm_last_hidden = getattr(cfg, "tie_last_hidden_states", None) is not False
+        self.layer_args = self._compiled_layer_args()
+
+    def _compiled_layer_args(self) -> list[tuple[Any, ...]] | None:
+        """Each layer's weights as `decoder_layer` (cpu_layer.cpp) takes them, where that whole
+        compiled layer applies: the batch-invariant path with compiled linears (AVX512-BF16) and
+        sizes its kernels take; else None (the layers run as torch calls)."""
+        if not self.invariant or cpu_kernels.kernel() is None or self.head_dim not in cpu_kernels.HEAD_DIMS:
+            return None
+        if self.head_dim % 32 or self.embed.shape[1] % 16:
+            return None
+        args = []
+        for la in self.layers:
+            linears = (la.qkv, la.o, la.gate_up, la.down)
+            norms = [la.attn_norm, la.mlp_norm, *(n for n in (la.q_norm, la.k_norm) if n is not None)]
+            if any(not isinstance(lin, InvariantLinear) or lin.compiled is None for lin in linears):
+                return None
+            if (la.q_norm is None) != (la.k_norm is None) or len({n.eps for n in norms}) > 1:
+                return None
+            if any(n.weight.dtype != torch.bfloat16 for n in norms) or la.gate_up.packed.shape[0] % 2:
+                return None
+            q_norm = None if la.q_norm is None else la.q_norm.weight
+            k_norm = None if la.k_norm is None else la.k_norm.weight
+            args.append((la.attn_norm.weight, la.qkv.packed, la.qkv.bias, q_norm, k_norm, la.o.packed, la.o.bias,
+                         la.mlp_norm.weight, la.gate_up.packed, la.gate_up.bias, la.down.packed, la.down.bias))
+        self.layer_eps = self.layers[0].attn_norm.eps
+        return args
 
     @property
     def packed(self) -> bool:
@@ -256,6 +282,11 @@ class FastForward:
         under `mask` (None: SDPA's own causal mask, right when nothing precedes the rows; a plan:
         the batch-invariant attention). `whole`: each linear layer in one GEMM, however many rows."""
 
+        kernel = cpu_kernels.kernel() if self.layer_args is not None else None
+        if (isinstance(mask, AttentionPlan) and kernel is not None and not whole
+                and getattr(cache.layers[0], "values_ones", None) is not None):
+            return self._compiled_layers(kernel, ids, cos, sin, cache, mask, layer_ids, last_only)
+
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer = cache.layers[i]
             keys, values = layer.update(k.unsqueeze(0), v.unsqueeze(0))
@@ -265,6 +296,43 @@ class FastForward:
             return self._attention(q, keys, values, mask, causal=mask is None)
 
         return self._layers(ids, cos, sin, attend, layer_ids, last_only, whole)
+
+    def _compiled_layers(
+        self, kernel: Any, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: TargetCache,
+        plan: AttentionPlan, layer_ids: list[int] | None, last_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_layers` with each layer one compiled call (`decoder_layer`): the same kernels in the
+        same order, so the same bits, without ~20 Python-level calls a layer."""
+        layer_args = self.layer_args
+        assert layer_args is not None
+        start, n = cache.length, ids.shape[1]
+        end = start + n
+        if end > cache.max_cache_len:
+            raise RuntimeError(f"KV cache overflow: {end} > {cache.max_cache_len} positions")
+        wanted = set(layer_ids or [])
+        feats: dict[int, torch.Tensor] = {}
+        x = F.embedding(ids[0], self.embed)
+        for i, (args, layer) in enumerate(zip(layer_args, cache.layers, strict=True)):
+            x = kernel.decoder_layer(x, *args, cos, sin, layer.keys[0], layer.values_ones[0], start, plan.before,
+                                     plan.after, plan.after_count, self.num_heads, self.layer_eps, self.scale)
+            if i in wanted:
+                feats[i] = x
+        for layer in cache.layers:
+            layer.length = end
+        return self._head(x, feats, layer_ids, last_only, self.head)
+
+    def _head(self, x: torch.Tensor, feats: dict[int, torch.Tensor], layer_ids: list[int] | None, last_only: bool,
+              head: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final norm and LM head over the last layer's x [n, hidden], and the features of
+        `layer_ids` (`feats`, the wanted layers' outputs) side by side."""
+        if len(self.layers) - 1 in feats and self.norm_last_hidden:
+            feats[len(self.layers) - 1] = x = self.final_norm(x)
+            x = x[-1:] if last_only else x
+        else:
+            x = self.final_norm(x[-1:] if last_only else x)
+        logits = head(x).float()
+        feat = torch.cat([feats[i] for i in layer_ids], dim=-1) if layer_ids is not None else None
+        return logits, feat
 
     @torch.inference_mode()
     def static_forward(
@@ -353,11 +421,4 @@ class FastForward:
             x = x + linear(layer.down, act)
             if i in wanted:
                 feats[i] = x
-        if len(self.layers) - 1 in wanted and self.norm_last_hidden:
-            feats[len(self.layers) - 1] = x = self.final_norm(x)
-            x = x[-1:] if last_only else x
-        else:
-            x = self.final_norm(x[-1:] if last_only else x)
-        logits = linear(self.head, x).float()
-        feat = torch.cat([feats[i] for i in layer_ids], dim=-1) if layer_ids is not None else None
-        return logits, feat
+        return self._head(x, feats, layer_ids, last_only, lambda h: linear(self.head, h))

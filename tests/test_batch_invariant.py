@@ -132,6 +132,61 @@ def test_tree_pass_rows_equal_plain_decoding_of_their_paths(target: Target, star
         assert torch.equal(got[node + 1], ref[-1]), f"node {node} at depth {tree.depths[node]}"
 
 
+@needs_bf16_units
+def test_a_compiled_layer_gives_the_torch_call_layers_bits(target: Target, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decoder layer as one compiled call (cpu_layer.cpp) runs the kernels the Python layers
+    call, in their order: logits, features and the cache's keys and values are the same bits."""
+    ff = target.fast_forward
+    assert ff is not None
+    if ff.layer_args is None:
+        pytest.skip("no compiled decoder layer here (it needs the compiled linear layers)")
+    rng = random.Random(3)
+    ids = torch.tensor([[rng.randrange(target.vocab_size) for _ in range(CHUNK + 20)]])
+    tree = grow_tree([[0.5, 0.3, 0.2]] * 4, [[rng.randrange(target.vocab_size) for _ in range(3)] for _ in range(4)], 9)
+
+    def passes() -> tuple[list[torch.Tensor], object]:
+        cache = target.new_cache(CHUNK + 40)
+        target.forward(ids[:, : CHUNK - 3], cache, [1, 27])
+        out = [*target.forward(ids[:, CHUNK - 3 : CHUNK - 2], cache, [1, 27]),
+               *target.forward(ids[:, CHUNK - 2 : CHUNK + 6], cache, [1, 27])]
+        out += target.tree_forward(torch.tensor([[ids[0, CHUNK + 6].item(), *tree.tokens]]),
+                                   torch.tensor([0, *tree.depths]), visibility(tree), cache, [1, 27])
+        return out, cache
+
+    compiled, cache_a = passes()
+    monkeypatch.setattr(ff, "layer_args", None)
+    calls, cache_b = passes()
+    assert all(torch.equal(a, b) for a, b in zip(compiled, calls, strict=True))
+    end = cache_a.length
+    assert end == cache_b.length
+    for la, lb in zip(cache_a.layers, cache_b.layers, strict=True):
+        assert torch.equal(la.keys[:, :, :end], lb.keys[:, :, :end])
+        assert torch.equal(la.values_ones[:, :, :end], lb.values_ones[:, :, :end])
+
+
+@needs_bf16_units
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_compiled_layer_keeps_tiny_models_bits(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on tiny bf16 models: Qwen3's per-head q/k norms, and a row attending to keys the
+    pass wrote, compared with the torch-call layers."""
+    from tiny_targets import tiny_model
+
+    model = tiny_model(family, 300, head_dim=32).to(torch.bfloat16)
+    ff = fast_forward.FastForward(model)
+    if ff.layer_args is None:
+        pytest.skip("no compiled decoder layer here (it needs the compiled linear layers)")
+    ids = torch.arange(40)[None] * 7 % 300
+
+    def passes() -> list[torch.Tensor]:
+        cache = fast_forward.TargetCache(len(ff.layers), 64, value_ones=True)
+        ff.forward(ids[:, :30], cache)
+        return [*ff.forward(ids[:, 30:31], cache, [0, 3]), *ff.forward(ids[:, 31:40], cache, [0, 3])]
+
+    compiled = passes()
+    monkeypatch.setattr(ff, "layer_args", None)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, passes(), strict=True))
+
+
 def reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
                         scale: float) -> torch.Tensor:
     """float32 attention of q [heads, n, hd] over keys [kv, L, hd] under visible [n, L]."""
