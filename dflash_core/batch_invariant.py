@@ -150,26 +150,52 @@ class InvariantLinear:
 class AttentionPlan:
     """Where each row of a pass finds its keys, shared by every layer of the pass.
 
-    Keys in buffer rows [0, `in_place`) are read where they are (a multiple of CHUNK), under
-    `mask` [n, in_place] (None: all visible); that is all of a chain pass, whose rows sit at
-    their positions. A tree pass reads in place only below `base` (the chunk boundary at or
-    before its start): there, row r's slot s holds the key at position `base + s` as r sees it,
-    the cache's row below the pass's start and r's ancestors above it (`index[r, s]`, its buffer
-    row); `visible[r, s]` is False past r's own position."""
+    As the compiled kernel reads it (cpu_kernels.py): row r sees buffer rows [0, before[r]) and
+    then after[r, :after_count[r]], in position order. The torch calls read the same, derived on
+    first use (the kernel never needs them): keys in buffer rows [0, `in_place`) are read where
+    they are (a multiple of CHUNK), under `mask` [n, in_place] (None: all visible); that is all
+    of a chain pass, whose rows sit at their positions. A tree pass reads in place only below
+    `base` (the chunk boundary at or before its start): there, row r's slot s holds the key at
+    position `base + s` as r sees it, the cache's row below the pass's start and r's ancestors
+    above it (`index[r, s]`, its buffer row); `visible[r, s]` is False past r's own position."""
 
     length: int  # keys in the buffer after this pass appended its rows
     in_place: int
-    mask: torch.Tensor | None
+    before: torch.Tensor  # [n] long
+    after: torch.Tensor  # [n, E] long; a tree pass: the buffer row of each row's ancestor at each depth
+    after_count: torch.Tensor  # [n] long; a tree pass: each row's depth + 1
     base: int = 0
-    index: torch.Tensor | None = None  # [n, W] long, W a multiple of CHUNK
-    visible: torch.Tensor | None = None  # [n, W] bool
-    # The same, as the compiled kernel reads it (cpu_kernels.py): row r sees buffer rows
-    # [0, before[r]) and then after[r, :after_count[r]], in position order.
-    before: torch.Tensor | None = None  # [n] long
-    after: torch.Tensor | None = None  # [n, E] long
-    after_count: torch.Tensor | None = None  # [n] long
+    is_tree: bool = False
 
     # Derived once per pass, read by every layer.
+    @functools.cached_property
+    def mask(self) -> torch.Tensor | None:
+        if self.is_tree:
+            return None
+        return torch.arange(self.in_place, device=self.before.device)[None, :] < self.before[:, None]
+
+    @functools.cached_property
+    def _region(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A tree pass's (index, visible)."""
+        if not self.is_tree:
+            return None
+        n, deepest = self.before.shape[0], self.after.shape[1] - 1
+        start, base, depths, dev = self.length - n, self.base, self.after_count - 1, self.before.device
+        pos = base + torch.arange(whole_chunks(start + deepest + 1 - base), device=dev)
+        in_pass = (pos[None, :] >= start) & (pos[None, :] <= start + depths[:, None])
+        seen = (pos[None, :] < start) | in_pass
+        index = torch.where(in_pass, self.after[:, (pos - start).clamp(0, deepest)], pos[None, :])
+        index = torch.where(seen, index, torch.full_like(index, base))  # masked slots read any real row
+        return index, seen
+
+    @property
+    def index(self) -> torch.Tensor | None:  # [n, W] long, W a multiple of CHUNK
+        return None if self._region is None else self._region[0]
+
+    @property
+    def visible(self) -> torch.Tensor | None:  # [n, W] bool
+        return None if self._region is None else self._region[1]
+
     @functools.cached_property
     def masked(self) -> torch.Tensor | None:
         return None if self.mask is None else ~self.mask
@@ -189,17 +215,15 @@ class AttentionPlan:
         (masked there, or never gathered). Whole chunks also keep the scores' GEMM to a few
         shapes: oneDNN builds a new kernel for every new shape (~0.4 ms), which a tree pass's
         exact length would ask for at nearly every block."""
-        return self.in_place if self.index is None else whole_chunks(self.length)
+        return whole_chunks(self.length) if self.is_tree else self.in_place
 
     @classmethod
     def chain(cls, start: int, n: int, device: torch.device) -> AttentionPlan:
         """Rows at positions start..start+n-1, each seeing everything before it."""
         length = start + n
-        in_place = whole_chunks(length)
-        rows = torch.arange(start, length, device=device)
-        mask = torch.arange(in_place, device=device)[None, :] <= rows[:, None]
+        before = torch.arange(start + 1, length + 1, device=device)
         none = torch.zeros(n, 0, dtype=torch.long, device=device)
-        return cls(length, in_place, mask, before=rows + 1, after=none, after_count=torch.zeros_like(rows))
+        return cls(length, whole_chunks(length), before, none, torch.zeros_like(before))
 
     @classmethod
     def tree(cls, start: int, depths: torch.Tensor, visible: torch.Tensor) -> AttentionPlan:
@@ -208,19 +232,11 @@ class AttentionPlan:
         n = depths.shape[0]
         dev = depths.device
         base = start // CHUNK * CHUNK
-        deepest = int(depths.max())
-        width = whole_chunks(start + deepest + 1 - base)
-        pos = base + torch.arange(width, device=dev)
-        # ancestor[r, d]: the buffer row of r's ancestor at depth d.
-        ancestor = torch.zeros(n, deepest + 1, dtype=torch.long, device=dev)
+        ancestor = torch.zeros(n, int(depths.max()) + 1, dtype=torch.long, device=dev)
         r_idx, j_idx = visible.nonzero(as_tuple=True)
         ancestor[r_idx, depths[j_idx]] = start + j_idx
-        in_pass = (pos[None, :] >= start) & (pos[None, :] <= start + depths[:, None])
-        seen = (pos[None, :] < start) | in_pass
-        index = torch.where(in_pass, ancestor[:, (pos - start).clamp(0, deepest)], pos[None, :])
-        index = torch.where(seen, index, torch.full_like(index, base))  # masked slots read any real row
         before = torch.full((n,), start, dtype=torch.long, device=dev)
-        return cls(start + n, base, None, base, index, seen, before, ancestor, depths.long() + 1)
+        return cls(start + n, base, before, ancestor, depths.long() + 1, base, is_tree=True)
 
 
 def values_with_ones(layer: object) -> torch.Tensor:
@@ -239,7 +255,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
     column of ones [kv_heads, S, hd + 1] (`values_with_ones`), the layer's whole buffers with
     this pass's rows already written; [heads, n, hd]."""
     compiled = cpu_kernels.kernel() if q.shape[-1] in cpu_kernels.HEAD_DIMS else None
-    if compiled is not None and plan.before is not None:
+    if compiled is not None:
         return compiled.attention(q, keys, values, plan.before, plan.after, plan.after_count, scale)  # type: ignore[attr-defined]
     heads, n, hd = q.shape
     nkv = keys.shape[0]
