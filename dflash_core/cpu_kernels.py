@@ -39,7 +39,7 @@ import torch
 SOURCES = [Path(__file__).with_name(name)  # one translation unit, in this order: cpu_layer.cpp calls the others
            for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_rowwise.cpp", "cpu_layer.cpp")]
 HEADER = Path(__file__).with_name("cpu_bf16.h")  # bf16 helpers the sources share
-FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope", "swiglu", "decoder_layer"]
+FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope", "swiglu", "decoder_layer", "draft_layer"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention's instantiations (other sizes take the torch calls)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 log = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import cpu_kernels
 from .cache import DraftCache
 from .config import MAX_BLOCK_SIZE
 from .corpus import CorpusNgrams, load_corpus
@@ -197,8 +198,8 @@ class DFlashDrafter(nn.Module):
         return state
 
     def _fused(self) -> dict[str, Linear]:
-        """For `step`: `fc`, and each layer's q/k/v and gate/up side by side as one weight (one
-        GEMM where there were three and two), laid out once for the GEMM library like the
+        """For `step`: `fc`, each layer's q/k/v and gate/up side by side as one weight (one GEMM
+        where there were three and two), and its o and down, laid out once for the GEMM library like the
         target's (`pack_weight`). Rebuilt whenever a weight changes (training evaluates the
         live drafter between optimizer steps) or moves."""
         groups: dict[str, list[nn.Module]] = {"fc": [self.fc]}
@@ -206,6 +207,7 @@ class DFlashDrafter(nn.Module):
             a, m = layer.self_attn, layer.mlp
             groups[f"qkv{i}"] = [a.q_proj, a.k_proj, a.v_proj]
             groups[f"gate_up{i}"] = [m.gate_proj, m.up_proj]
+            groups[f"o{i}"], groups[f"down{i}"] = [a.o_proj], [m.down_proj]
         key = tuple(weight_key(mod.weight) for mods in groups.values() for mod in mods)
         if self._joined is None or self._joined[0] != key:
             self._joined = (key, {name: Linear.joined(mods) for name, mods in groups.items()})
@@ -220,6 +222,24 @@ class DFlashDrafter(nn.Module):
             table = self._rope(torch.arange(n, device=like.device), like.dtype)
             self._rope_table = table
         return table[0][start:end], table[1][start:end]
+
+    def _layer_kernel(self, h: torch.Tensor, fused: dict[str, Linear],
+                      visible: dict[tuple[int | None, bool], tuple[int, torch.Tensor | None]]) -> Any:
+        """The compiled module whose `draft_layer` runs `step`'s layers, where it applies: bf16 on
+        a CPU with the compiled linear layers, full bidirectional layers (no masks), DFlash 1
+        (no convolutions) and sizes its kernels take; else None."""
+        cfg = self.config
+        if h.dtype != torch.bfloat16 or h.device.type != "cpu" or torch.is_grad_enabled():
+            return None
+        if cfg.version != 1 or any(mask is not None for _, mask in visible.values()):
+            return None
+        if cfg.head_dim not in cpu_kernels.HEAD_DIMS or cfg.head_dim % 32 or cfg.hidden_size % 16:
+            return None
+        if any(lin.packed is None or lin.packed.dim() != 4 for name, lin in fused.items() if name != "fc"):
+            return None
+        if self.norm.weight.dtype != torch.bfloat16:  # a loaded drafter's weights share one dtype
+            return None
+        return cpu_kernels.kernel()
 
     @torch.no_grad()
     def step(
@@ -262,7 +282,21 @@ class DFlashDrafter(nn.Module):
         if new_context is not None and n_new:
             ctx = self.hidden_norm(fused["fc"](new_context[0].to(block_embeds.dtype)))
         h = block_embeds[0] * cfg.input_embedding_scale if cfg.input_embedding_scale != 1.0 else block_embeds[0]
+        compiled = self._layer_kernel(h, fused, visible)
         for i, layer in enumerate(self.layers):
+            if compiled is not None:  # the same maths as below, one compiled call (cpu_layer.cpp)
+                lo = visible[kinds[i]][0]
+                if lo < cache.offset or block_start + bsz - cache.offset > cache.max_len:
+                    raise RuntimeError(f"draft cache: positions {lo}..{block_start + bsz} outside its "
+                                       f"{cache.offset}..{cache.offset + cache.max_len}")
+                attn = layer.self_attn
+                h = compiled.draft_layer(h, ctx, layer.input_layernorm.weight, fused[f"qkv{i}"].packed,
+                                       attn.q_norm.weight, attn.k_norm.weight, fused[f"o{i}"].packed,
+                                       layer.post_attention_layernorm.weight, fused[f"gate_up{i}"].packed,
+                                       fused[f"down{i}"].packed, cos, sin, cache.keys[i, 0], cache.values[i, 0],
+                                       ctx_start - cache.offset, lo - cache.offset, nh, cfg.rms_norm_eps,
+                                       hd**-0.5)
+                continue
             attn = layer.self_attn
             x, kernel = conv_in(layer.attention_conv, layer.input_layernorm(h), bsz)
             rows = x if ctx is None else torch.cat([ctx, x])

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from test_batch_invariant import reference_attention
 
 from dflash_core import batch_invariant, cpu_kernels, layers
+from dflash_core.targets import Target
 
 needs_kernel = pytest.mark.skipif(cpu_kernels.kernel() is None,
                                   reason=f"no compiled kernels here: {cpu_kernels.unavailable_reason()}")
@@ -225,6 +226,37 @@ def test_swiglu_is_torchs_within_bf16_rounding(rows: int) -> None:
     gate, up = gate_up.chunk(2, -1)
     torch.testing.assert_close(got, F.silu(gate) * up, atol=0, rtol=2**-7)  # one bf16 step at most
     assert torch.equal(layers.swiglu(gate_up[:1]), got[:1])  # a row alone, the same bits
+
+
+@needs_linear
+def test_a_drafter_layer_as_one_call_gives_the_torch_call_layers_bits(target: Target,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`draft_layer` (cpu_layer.cpp) runs the shipped drafter's layers as `DFlashDrafter.step`'s
+    torch calls do: the block's hidden states and the draft cache's keys and values, bit for bit,
+    with new context rows and without."""
+    from dflash_core.drafter import DFlashDrafter, load_drafter
+    from dflash_core.loading import SHIPPED_DRAFTER
+
+    if target.dtype != torch.bfloat16:
+        pytest.skip("the target runs in float32 here")
+    drafter = load_drafter(SHIPPED_DRAFTER, target=target).to(torch.bfloat16)
+    width = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+
+    def steps() -> list[torch.Tensor]:
+        cache = drafter.new_cache(64)
+        gen = torch.Generator().manual_seed(0)
+        first = drafter.step(target.embed(torch.tensor([[5] + [0] * 15])), 20, cache,
+                             torch.randn(1, 20, width, generator=gen).bfloat16())
+        again = drafter.step(target.embed(torch.tensor([[7] + [0] * 15])), 20, cache)  # no new context
+        last = drafter.step(target.embed(torch.tensor([[9] + [0] * 9])), 23, cache,
+                            torch.randn(1, 3, width, generator=gen).bfloat16())
+        return [first, again, last, cache.keys[:, :, :, :33].clone(), cache.values[:, :, :, :33].clone()]
+
+    compiled = steps()
+    with torch.no_grad():  # the kernel is the path that ran
+        assert drafter._layer_kernel(compiled[0][0], drafter._fused(), {(None, False): (0, None)}) is not None
+    monkeypatch.setattr(DFlashDrafter, "_layer_kernel", lambda *args: None)
+    assert all(torch.equal(a, b) for a, b in zip(compiled, steps(), strict=True))
 
 
 def test_training_keeps_the_torch_calls() -> None:
