@@ -1,6 +1,8 @@
 """The batch-invariant bf16 maths as compiled calls: attention (`cpu_attention.cpp`), RMSNorm,
 RoPE and SwiGLU's SiLU-times-up (`cpu_rowwise.cpp`, layers.py), and on CPUs with AVX512-BF16 but
-no AMX the linear layers (`cpu_linear.cpp`).
+no AMX the linear layers (`cpu_linear.cpp`) and, built from all of these, a whole decoder layer
+and a drafter's layer as one call each (`cpu_layer.cpp`: a layer as ~20 Python-level calls cost
+a one-token pass ~2 ms of its ~9).
 
 Each computes every result whole, in one fixed order, so a row's bits cannot depend on the pass:
 what `FastForward.rows_agree` checks on every load.

@@ -143,7 +143,7 @@ class ChainStep(DraftingStep):
         t3 = time.perf_counter()
         self.cache.truncate(start + len(new))
         self.context = feats[None, : len(new)]
-        self.pace.record(depth, t2 - t1, len(tokens), len(new), time.perf_counter() - t1)
+        self.pace.record(depth, t2 - t1, len(tokens), len(new))
         return BlockResult(new, draft.history(), (t2 - t1) * 1e3, (t3 - t2) * 1e3, verified=len(tokens),
                            choices=selector_choices(draft))
 
@@ -195,7 +195,7 @@ class TreeStep(DraftingStep):
         acc = len(rows) - 1
         looked = (sum(tree.from_lookup), sum(tree.is_lookup(i) for i in line[:acc]))
         picture = self.picture(tree, line[:acc], tok, draft)
-        self.pace.record(depth, t2 - t1, len(tree), len(rows), time.perf_counter() - t1)
+        self.pace.record(depth, t2 - t1, len(tree), len(rows))
         return BlockResult([*shown.tokens[:acc], tok], [shown], (t2 - t1) * 1e3, (t3 - t2) * 1e3,
                            verified=len(line), tree_nodes=len(tree), lookup=looked, tree=picture,
                            choices=selector_choices(draft))

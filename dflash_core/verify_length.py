@@ -200,9 +200,11 @@ class Pace:
     With `rest`, it also stops drafting when the last `PAYING_WINDOW` drafted blocks committed
     under `LOSING` times the tokens plain steps (`cost(1)` each) would have in the blocks' time:
     the next `FIRST_REST` tokens are plain steps, then blocks are drafted again; a probe that
-    loses doubles the rest (up to `LONGEST_REST`), one that pays resets it. A block's time is as
-    timed (host work included), or, with a fixed `draft_ms` (pinned costs, in tests), as modelled
-    from `cost`, so that verdicts do not depend on the machine's load."""
+    loses doubles the rest (up to `LONGEST_REST`), one that pays resets it. A block's time is its
+    drafting (as timed, or a fixed `draft_ms` with pinned costs, in tests) plus its pass's cost
+    from `cost`, the same table the plain steps are judged by: a busy moment (a browser rendering
+    on the same cores) slows plain steps as much as blocks, and timed blocks against a quiet
+    table's `cost(1)` rested while blocks still paid."""
 
     def __init__(self, cost: VerifyCost | None, block: int, draft_ms: float | None = None,
                  rest: bool = True) -> None:
@@ -224,18 +226,17 @@ class Pace:
             draft_ms = (self.draft_s + drafting_s) * 1e3 / (self.blocks + 1)
         return choose_prefix(scores, self.cost, draft_ms)
 
-    def record(self, verified_depth: int | None, draft_s: float, verified: int = 0, committed: int = 0,
-               block_s: float = 0.0) -> None:
+    def record(self, verified_depth: int | None, draft_s: float, verified: int = 0, committed: int = 0) -> None:
         """After a block: how deep its drafter candidates were verified (None: not sized), what
-        its drafting cost, how many candidates the pass checked, how many tokens it committed
-        and how long the whole block took."""
+        its drafting cost, how many candidates the pass checked and how many tokens it committed."""
         self.draft_s += draft_s
         self.blocks += 1
         if verified_depth is not None and self.cost is not None:
             self.verified.append(verified_depth)
             self.draft_length = next_draft_length(self.verified, self.draft_length, self.block)
         if self.rest and self.cost is not None:
-            ms = block_s * 1e3 if self.fixed_draft_ms is None else self.fixed_draft_ms + self.cost(verified + 1)
+            draft_ms = draft_s * 1e3 if self.fixed_draft_ms is None else self.fixed_draft_ms
+            ms = draft_ms + self.cost(verified + 1)
             self.recent = [*self.recent[1 - PAYING_WINDOW :], (committed, ms)]
             if len(self.recent) == PAYING_WINDOW:
                 tokens, ms = sum(t for t, _ in self.recent), sum(m for _, m in self.recent)

@@ -131,6 +131,13 @@ def test_drafting_rests_while_blocks_lose_to_plain_steps() -> None:
         for _ in range(PAYING_WINDOW):
             pace.record(2, 0.0, verified=2, committed=committed)
         assert (pace.resting > 0) == rests
+    # Without pinned costs, the same verdicts from the drafting as timed (2 ms) and the table's
+    # pass: a busy machine slows plain steps as much as blocks, so block wall times would mislead.
+    for committed, rests in ((2, False), (1, True)):
+        pace = Pace(cost, 16)
+        for _ in range(PAYING_WINDOW):
+            pace.record(2, 0.002, verified=2, committed=committed)
+        assert (pace.resting > 0) == rests
 
 
 def test_no_rest_without_a_cost_table_or_when_turned_off() -> None:
