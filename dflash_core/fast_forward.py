@@ -142,15 +142,15 @@ class FastForward:
         if self.head_dim % 32 or self.embed.shape[1] % 16:
             return None
         args = []
+        norms = [n for la in self.layers for n in (la.attn_norm, la.mlp_norm, la.q_norm, la.k_norm) if n is not None]
+        if len({n.eps for n in norms}) > 1 or any(n.weight.dtype != torch.bfloat16 for n in norms):
+            return None  # the kernel takes one epsilon, and bf16 norm weights
         for la in self.layers:
             linears = (la.qkv, la.o, la.gate_up, la.down)
-            norms = [la.attn_norm, la.mlp_norm, *(n for n in (la.q_norm, la.k_norm) if n is not None)]
             if any(not isinstance(lin, InvariantLinear) or lin.compiled is None for lin in linears):
                 return None
-            if (la.q_norm is None) != (la.k_norm is None) or len({n.eps for n in norms}) > 1:
-                return None
-            if any(n.weight.dtype != torch.bfloat16 for n in norms) or la.gate_up.packed.shape[0] % 2:
-                return None
+            if (la.q_norm is None) != (la.k_norm is None) or la.gate_up.weight.shape[0] % 32:
+                return None  # both per-head norms or neither; gate and up each a multiple of 16 wide
             q_norm = None if la.q_norm is None else la.q_norm.weight
             k_norm = None if la.k_norm is None else la.k_norm.weight
             args.append((la.attn_norm.weight, la.qkv.packed, la.qkv.bias, q_norm, k_norm, la.o.packed, la.o.bias,
