@@ -310,9 +310,10 @@ class DFlashDrafter(nn.Module):
                 out = full_attention(q, keys[0], values[0])
             else:
                 out = F.scaled_dot_product_attention(q[None], keys, values, attn_mask=mask, enable_gqa=nkv != nh)[0]
-            h = h + conv_out(layer.attention_conv, attn.o_proj(out.transpose(0, 1).reshape(bsz, nh * hd)), kernel, bsz)
+            attended = fused[f"o{i}"](out.transpose(0, 1).reshape(bsz, nh * hd))
+            h = h + conv_out(layer.attention_conv, attended, kernel, bsz)
             x, kernel = conv_in(layer.mlp_conv, layer.post_attention_layernorm(h), bsz)
-            h = h + conv_out(layer.mlp_conv, layer.mlp.down_proj(swiglu(fused[f"gate_up{i}"](x))), kernel, bsz)
+            h = h + conv_out(layer.mlp_conv, fused[f"down{i}"](swiglu(fused[f"gate_up{i}"](x))), kernel, bsz)
         cache.length = block_start
         return self.norm(h)[None]
 
