@@ -25,13 +25,15 @@ class LayerStack:
         self.values: torch.Tensor | None = None  # [layers, b, heads, max_len, value width]
         self.complete = True  # False once a layer's shape differed and it took its own buffers
 
-    def slices(self, index: int, keys: tuple[int, ...], values: tuple[int, ...], like: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if self.keys is None:
+    def slices(self, index: int, keys: tuple[int, ...], values: tuple[int, ...], like: torch.Tensor,
+               value_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Layer `index`'s buffers of these shapes (`like`'s dtype and device), or None when they
+        cannot be slices of the stack (the layer then allocates its own)."""
+        if self.keys is None and value_dtype == like.dtype:
             self.keys = like.new_zeros((self.num_layers, *keys))
             self.values = like.new_zeros((self.num_layers, *values))
-        assert self.values is not None
-        if self.keys.shape[1:] != keys or self.values.shape[1:] != values or self.keys.dtype != like.dtype:
+        if (self.keys is None or self.values is None or self.keys.shape[1:] != keys or self.values.shape[1:] != values
+                or self.keys.dtype != like.dtype or value_dtype != like.dtype):
             self.complete = False
             return None
         return self.keys[index], self.values[index]
@@ -74,12 +76,10 @@ class PreallocatedLayer(CacheLayerMixin):
         # total together (batch_invariant.attention).
         width = dv + 1 if self.value_ones else dv
         shared = None
-        if self.stack is not None and value_states.dtype == key_states.dtype:
+        if self.stack is not None:
             shared = self.stack.slices(self.index, (b, h, self.max_cache_len, dk), (b, h, self.max_cache_len, width),
-                                       key_states)
+                                       key_states, value_states.dtype)
         if shared is None:
-            if self.stack is not None:
-                self.stack.complete = False
             shared = (key_states.new_zeros((b, h, self.max_cache_len, dk)),
                       value_states.new_zeros((b, h, self.max_cache_len, width)))
         self.keys, values = shared
