@@ -41,7 +41,8 @@ import torch
 SOURCES = [Path(__file__).with_name(name)  # one translation unit, in this order: cpu_layer.cpp calls the others
            for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_rowwise.cpp", "cpu_layer.cpp")]
 HEADER = Path(__file__).with_name("cpu_bf16.h")  # bf16 helpers the sources share
-FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope", "swiglu", "decoder_layer", "draft_layer"]
+FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope", "swiglu", "decoder_layer", "draft_layer",
+             "argmax_rows"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention's instantiations (other sizes take the torch calls)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 log = logging.getLogger(__name__)
@@ -112,11 +113,12 @@ def linear_fits(weight: torch.Tensor) -> bool:
 
 
 def describe() -> str:
-    """Builds the kernels where the target would use them, and says how that went (for setup)."""
+    """Builds the kernels wherever they run (any AVX-512 CPU: greedy choices use `argmax_rows`
+    whatever the target's dtype), and says how that went (for setup)."""
     from .batch_invariant import bf16_gemm_available
 
-    if not bf16_gemm_available():
-        return "[cpu kernels] not needed here: without bf16 units the target runs in float32"
     if kernel() is None:
         return f"[cpu kernels] not built: {unavailable_reason()}"
+    if not bf16_gemm_available():
+        return "[cpu kernels] ready (argmax; without bf16 units the target runs in float32)"
     return f"[cpu kernels] ready (attention{', linear layers' if linear_kernel() is not None else ''})"

@@ -131,3 +131,55 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
   });
   return out;
 }
+
+// x [rows, n] float32: each row's index of its largest value, the first among equal ones, a NaN
+// counting as largest (the first NaN wins): what torch's max(-1).indices gives on a CPU, without
+// its scalar pass (~45 µs per 49k-token row, a tree pass's 8 rows ~0.3 ms; this, ~3 µs a row).
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.size(1) > 0, "2-d float32 logits");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n < (int64_t{1} << 31), "rows under 2^31 values");
+  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  const float* xs = x.data_ptr<float>();
+  int64_t* os = out.data_ptr<int64_t>();
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 lowest = _mm512_set1_ps(-INFINITY);
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xs + r * n;
+      // Per lane: its largest value so far and where it first was (strictly greater replaces),
+      // so each lane holds its first maximum; lanes past n start at -inf with no index.
+      const __mmask16 head = n >= 16 ? 0xffff : static_cast<__mmask16>((1u << n) - 1);
+      __m512 best = _mm512_mask_loadu_ps(lowest, head, row);
+      __m512i where = _mm512_mask_mov_epi32(_mm512_set1_epi32(INT32_MAX), head, lanes);
+      __mmask16 nan = _mm512_mask_cmp_ps_mask(head, best, best, _CMP_UNORD_Q);
+      int64_t i = 16;
+      for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(row + i);
+        const __mmask16 up = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, up, v);
+        where = _mm512_mask_mov_epi32(where, up, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(i))));
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      }
+      if (i < n && n > 16) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(lowest, tail, row + i);
+        const __mmask16 up = _mm512_mask_cmp_ps_mask(tail, v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, up, v);
+        where = _mm512_mask_mov_epi32(where, up, _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int>(i))));
+        nan |= _mm512_mask_cmp_ps_mask(tail, v, v, _CMP_UNORD_Q);
+      }
+      if (nan) {  // rare: the first NaN, found in order
+        int64_t k = 0;
+        while (!std::isnan(row[k])) ++k;
+        os[r] = k;
+        continue;
+      }
+      const float top = _mm512_reduce_max_ps(best);
+      const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      os[r] = _mm512_mask_reduce_min_epi32(at_top, where);
+    }
+  });
+  return out;
+}

@@ -264,3 +264,25 @@ def test_training_keeps_the_torch_calls() -> None:
     x = torch.randn(3, 64).bfloat16().requires_grad_()
     layers.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5).sum().backward()
     assert x.grad is not None
+
+
+@needs_kernel
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 49152, 49157])
+def test_argmax_rows_is_torchs_max_index(n: int) -> None:
+    """Greedy decoding is exact only if every path picks the same token: the compiled argmax must
+    give torch's `max(-1).indices` on any row, ties (the first wins), -inf rows, signed zeros and
+    NaNs (the first NaN wins) included, at any length (a tail past the last 16 values too)."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(12, n, generator=gen).mul(8).round()  # integers: many ties
+    x[1] = float("-inf")
+    x[2] = 0.0
+    x[2, n // 2] = -0.0
+    x[3, torch.randint(n, (3,), generator=gen)] = float("nan")
+    x[4, -1] = 1e30  # the largest value in the tail
+    x[5, torch.randint(n, (2,), generator=gen)] = float("inf")
+    x[6, 0] = float("nan")
+    x[7] = float("nan")
+    got = cpu_kernels.kernel().argmax_rows(x)
+    assert got.dtype == torch.long
+    assert torch.equal(got, x.max(-1).indices)
+    assert torch.equal(cpu_kernels.kernel().argmax_rows(x.t().contiguous().t()), x.max(-1).indices)
