@@ -229,19 +229,32 @@ class DraftCache:
         if end - self.offset > self.max_len:
             raise RuntimeError(f"draft cache overflow: {end - self.offset} > {self.max_len} positions")
 
-    def write(self, layer: int, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        start = at - self.offset
-        end = start + k.shape[-2]
-        if start < 0 or end > self.max_len:
-            raise RuntimeError(f"draft cache overflow: positions {at}..{at + k.shape[-2]} outside its "
+    def _writable(self, at: int, end: int) -> None:
+        if at < self.offset or end - self.offset > self.max_len:
+            raise RuntimeError(f"draft cache overflow: positions {at}..{end} outside its "
                                f"{self.offset}..{self.offset + self.max_len}")
-        self.keys[layer, :, :, start:end] = k
-        self.values[layer, :, :, start:end] = v
 
-    def view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of positions [start, end)."""
+    def _readable(self, start: int) -> None:
         if start < self.offset:
             raise RuntimeError(f"draft cache: position {start} was dropped (the window starts at {self.offset}); "
                                "a draft window cannot widen during a reply")
+
+    def write(self, layer: int, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._writable(at, at + k.shape[-2])
+        start = at - self.offset
+        self.keys[layer, :, :, start : start + k.shape[-2]] = k
+        self.values[layer, :, :, start : start + k.shape[-2]] = v
+
+    def view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [start, end)."""
+        self._readable(start)
         return self.keys[layer, :, :, start - self.offset : end - self.offset], \
             self.values[layer, :, :, start - self.offset : end - self.offset]
+
+    def slots(self, layer: int, write_at: int, read_from: int, end: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """For a compiled layer that writes positions [write_at, end) and reads [read_from, end)
+        in place (`draft_layer`): the layer's key and value buffers [kv_heads, max_len, dim] and
+        the slots of `write_at` and `read_from`, after the checks `write` and `view` make."""
+        self._writable(write_at, end)
+        self._readable(read_from)
+        return self.keys[layer, 0], self.values[layer, 0], write_at - self.offset, read_from - self.offset

@@ -285,17 +285,13 @@ class DFlashDrafter(nn.Module):
         compiled = self._layer_kernel(h, fused, visible)
         for i, layer in enumerate(self.layers):
             if compiled is not None:  # the same maths as below, one compiled call (cpu_layer.cpp)
-                lo = visible[kinds[i]][0]
-                if lo < cache.offset or block_start + bsz - cache.offset > cache.max_len:
-                    raise RuntimeError(f"draft cache: positions {lo}..{block_start + bsz} outside its "
-                                       f"{cache.offset}..{cache.offset + cache.max_len}")
+                keys, values, at, lo = cache.slots(i, ctx_start, visible[kinds[i]][0], block_start + bsz)
                 attn = layer.self_attn
                 h = compiled.draft_layer(h, ctx, layer.input_layernorm.weight, fused[f"qkv{i}"].packed,
                                        attn.q_norm.weight, attn.k_norm.weight, fused[f"o{i}"].packed,
                                        layer.post_attention_layernorm.weight, fused[f"gate_up{i}"].packed,
-                                       fused[f"down{i}"].packed, cos, sin, cache.keys[i, 0], cache.values[i, 0],
-                                       ctx_start - cache.offset, lo - cache.offset, nh, cfg.rms_norm_eps,
-                                       hd**-0.5)
+                                       fused[f"down{i}"].packed, cos, sin, keys, values, at, lo, nh,
+                                       cfg.rms_norm_eps, hd**-0.5)
                 continue
             attn = layer.self_attn
             x, kernel = conv_in(layer.attention_conv, layer.input_layernorm(h), bsz)
