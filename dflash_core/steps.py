@@ -58,9 +58,11 @@ class PlainStep:
         self.cache = target.new_cache(cache_len, rollback)  # passes of `rollback` tokens may be cut back
 
     def prefill(self, ids: list[int]) -> int:
-        """Run the prompt through the target; its first token."""
+        """Run the prompt through the target; its first token. Only the last row goes through the
+        LM head, with features or without: plain and DFlash replies start from the same logits, and
+        a long conversation's prompt rows cost no head GEMM whose logits nothing reads."""
         logits, feats = self.target.forward(torch.tensor([ids], device=self.target.device), self.cache,
-                                            self.layer_ids, last_only=self.layer_ids is None)  # plain: no features
+                                            self.layer_ids, last_only=True)
         self.context = None if feats is None else feats[None]  # features the drafter has not seen yet
         return int(self.sampler.choose(logits[-1:])[0])
 
