@@ -247,9 +247,13 @@ class FastForward:
             return self._appending(ids, cos[start:end], sin[start:end], cache, plan, layer_ids, last_only)
         if self.invariant:
             # A prefill: every method computes the prompt's rows in this one pass, so their bits
-            # need only be deterministic, not equal to any other pass's. Whole-pass GEMMs and
-            # SDPA's causal attention make it ~2x faster than the 32-row, chunked path.
-            return self._appending(ids, cos[:end], sin[:end], cache, None, layer_ids, last_only, whole=True)
+            # need only be deterministic, not equal to any other pass's. Whole-pass GEMMs make it
+            # ~2x faster than the 32-row, chunked path; the compiled attention (a chain's plan)
+            # runs ~3.5x faster than SDPA's causal kernel at 40-351 rows, which stays where it
+            # does not build.
+            compiled = ids.device.type == "cpu" and self.head_dim in cpu_kernels.HEAD_DIMS and cpu_kernels.kernel()
+            plan = AttentionPlan.chain(0, n, ids.device) if compiled else None
+            return self._appending(ids, cos[:end], sin[:end], cache, plan, layer_ids, last_only, whole=True)
         mask = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril_(start) if n > 1 and start else None
         return self._appending(ids, cos[start:end], sin[start:end], cache, mask, layer_ids, last_only)
 
