@@ -86,8 +86,10 @@ def test_send_shows_coloured_tokens_charts_and_a_finished_reply(page: Any) -> No
     tokens = page.locator("#spec-view .spec-tokens .tok")
     classes = tokens.evaluate_all("els => els.map(e => e.className)")
     kinds = {k for c in classes for k in ("tok-accepted", "tok-target", "tok-rejected") if k in c.split()}
-    # The shipped drafter is weak (tau ~1.3): every short reply has target tokens and struck-out rejected drafts.
-    assert {"tok-target", "tok-rejected"} <= kinds
+    # Every block ends in a target token, and some draft is shown (accepted, or struck out where a
+    # block checked more than it kept: how many a tree checks follows the pass costs, so a short
+    # reply's blocks may keep all they checked; test_render.py checks the struck-out spans).
+    assert "tok-target" in kinds and kinds & {"tok-accepted", "tok-rejected"}
     assert all(any(k in c.split() for k in ("tok-accepted", "tok-target", "tok-rejected")) for c in classes)
     # The legend shows all three colours, and the style sheet really colours them differently.
     legend = page.locator("#spec-view .spec-legend .tok")
@@ -95,7 +97,7 @@ def test_send_shows_coloured_tokens_charts_and_a_finished_reply(page: Any) -> No
     colours = legend.evaluate_all(
         "els => els.map(e => getComputedStyle(e).backgroundColor + ' ' + getComputedStyle(e).color)")
     assert len(set(colours)) == 3
-    rejected = page.locator("#spec-view .spec-tokens .tok-rejected").first
+    rejected = page.locator("#spec-view .spec-legend .tok-rejected").first
     assert "line-through" in rejected.evaluate("e => getComputedStyle(e).textDecorationLine")
 
     charts = ["#heatmap", "#speed", "#acceptance", "#position-chart", "#tree-view"]
