@@ -254,7 +254,7 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
     """q [heads, n, hd] (bf16, RoPE applied) over keys [kv_heads, S, hd] and values with a
     column of ones [kv_heads, S, hd + 1] (`values_with_ones`), the layer's whole buffers with
     this pass's rows already written; [heads, n, hd]."""
-    compiled = cpu_kernels.kernel() if q.shape[-1] in cpu_kernels.HEAD_DIMS else None
+    compiled = cpu_kernels.attention_kernel(q.shape[-1])
     if compiled is not None:
         return compiled.attention(q, keys, values, plan.before, plan.after, plan.after_count, scale)  # type: ignore[attr-defined]
     heads, n, hd = q.shape

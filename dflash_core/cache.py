@@ -240,10 +240,10 @@ class DraftCache:
                                "a draft window cannot widen during a reply")
 
     def write(self, layer: int, at: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self._writable(at, at + k.shape[-2])
-        start = at - self.offset
-        self.keys[layer, :, :, start : start + k.shape[-2]] = k
-        self.values[layer, :, :, start : start + k.shape[-2]] = v
+        end = at + k.shape[-2]
+        self._writable(at, end)
+        self.keys[layer, :, :, at - self.offset : end - self.offset] = k
+        self.values[layer, :, :, at - self.offset : end - self.offset] = v
 
     def view(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [start, end)."""

@@ -107,6 +107,11 @@ def linear_kernel() -> Any:
     return kernel()
 
 
+def attention_kernel(head_dim: int) -> Any:
+    """The module when the compiled attention takes this head size (`HEAD_DIMS`), else None."""
+    return kernel() if head_dim in HEAD_DIMS else None
+
+
 def linear_fits(weight: torch.Tensor) -> bool:
     """`pack_linear` takes this [out, in] weight (out a multiple of 16, in even)."""
     return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 2 == 0

@@ -137,7 +137,7 @@ class FastForward:
         """Each layer's weights as `decoder_layer` (cpu_layer.cpp) takes them, where that whole
         compiled layer applies: the batch-invariant path with compiled linears (AVX512-BF16) and
         sizes its kernels take; else None (the layers run as torch calls)."""
-        if not self.invariant or cpu_kernels.kernel() is None or self.head_dim not in cpu_kernels.HEAD_DIMS:
+        if not self.invariant or cpu_kernels.attention_kernel(self.head_dim) is None:
             return None
         if self.head_dim % 32 or self.embed.shape[1] % 16:
             return None
@@ -251,7 +251,7 @@ class FastForward:
             # ~2x faster than the 32-row, chunked path; the compiled attention (a chain's plan)
             # runs ~3.5x faster than SDPA's causal kernel at 40-351 rows, which stays where it
             # does not build.
-            compiled = ids.device.type == "cpu" and self.head_dim in cpu_kernels.HEAD_DIMS and cpu_kernels.kernel()
+            compiled = ids.device.type == "cpu" and cpu_kernels.attention_kernel(self.head_dim) is not None
             plan = AttentionPlan.chain(0, n, ids.device) if compiled else None
             return self._appending(ids, cos[:end], sin[:end], cache, plan, layer_ids, last_only, whole=True)
         mask = torch.ones(n, end, dtype=torch.bool, device=ids.device).tril_(start) if n > 1 and start else None

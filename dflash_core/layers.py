@@ -126,7 +126,7 @@ def full_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) ->
     drafter's full, bidirectional layer); [heads, n, head_dim]. In bf16 on a CPU, the compiled
     attention (~15 µs for a 16-row block against SDPA's ~80)."""
     compiled = _compiled(q, keys, values, multiple=16)
-    if compiled is not None and q.shape[-1] in cpu_kernels.HEAD_DIMS:
+    if compiled is not None and cpu_kernels.attention_kernel(q.shape[-1]) is not None:
         n = q.shape[1]
         sees_all = torch.full((n,), keys.shape[1], dtype=torch.long)
         return compiled.attention(q, keys, values, sees_all, torch.empty((n, 0), dtype=torch.long),
