@@ -26,7 +26,7 @@ import json
 import os
 import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +42,8 @@ PSEUDO_COUNT = 2.0
 MIN_TOTAL = 2  # contexts seen once are left out: a single sighting predicts little
 MIN_SCORE = 0.05  # entries less likely than this could never earn a place in a tree
 FLOOR = 0.02  # a chain stops where its path score falls below this
+SEEN_LIMIT = 1 << 16  # contexts whose answers are kept (a few MB)
+_UNSEEN = object()
 
 
 def pack(context: Iterable[int]) -> int:
@@ -74,31 +76,42 @@ class CorpusNgrams:
     tokens: np.ndarray  # int32
     scores: np.ndarray  # float32
     meta: dict[str, object]
+    # Answers already looked up: a block's chains (and the next block's) often walk the same contexts.
+    _seen: dict[tuple[int, ...], tuple[int, float] | None] = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def next_token(self, context: list[int]) -> tuple[int, float] | None:
         """(token, score) after the longest of the last 3, 2, 1 tokens the table knows."""
-        for n in range(min(ORDER, len(context)), 0, -1):
-            key = np.uint64(pack(context[len(context) - n :]))
+        tail = tuple(context[-ORDER:])
+        seen = self._seen.get(tail, _UNSEEN)  # one lookup: another thread may clear the dict meanwhile
+        if seen is not _UNSEEN:
+            return seen  # type: ignore[return-value]
+        if len(self._seen) >= SEEN_LIMIT:
+            self._seen.clear()
+        hit = None
+        for n in range(len(tail), 0, -1):
+            key = np.uint64(pack(tail[len(tail) - n :]))
             i = int(self.keys.searchsorted(key))
             if i < len(self.keys) and self.keys[i] == key:
-                return int(self.tokens[i]), float(self.scores[i])
-        return None
+                hit = int(self.tokens[i]), float(self.scores[i])
+                break
+        self._seen[tail] = hit
+        return hit
 
     def chain(self, context: list[int], length: int, score: float = 1.0,
-              power: float = 1.0) -> tuple[list[int], list[float]]:
+              power: float = 1.0, floor: float = FLOOR) -> tuple[list[int], list[float]]:
         """Up to `length` guessed tokens after `context`, each the table's choice after the ones
         before it, and their path scores (`score` times the product of the entries' scores, each
         raised to `power`: a calibration, see lookup.py); stops where the path score falls below
-        `FLOOR`."""
+        `floor`."""
         ctx = list(context[-ORDER:])
         tokens: list[int] = []
         scores: list[float] = []
         for _ in range(length):
             hit = self.next_token(ctx)
-            if hit is None or score * hit[1] ** power < FLOOR:
+            if hit is None or score * hit[1] ** power < floor:
                 break
             score *= hit[1] ** power
             tokens.append(hit[0])

@@ -122,29 +122,48 @@ def grow_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: int,
     """
     if max_nodes < 1 or not probs:
         raise ValueError("a draft tree needs at least one node and one position")
+    rows: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
 
-    def best(row: list[float]) -> list[int]:
-        return sorted(range(len(row)), key=lambda r: -row[r])[:branching]
+    def ranked(d: int, r: int) -> tuple[list[float], list[int]]:
+        """The scores of the children of a depth-d node of candidate rank r (d = 0: the anchor),
+        and the children's candidate ranks, best first."""
+        key = (d, r if given is not None and d > 0 else 0)
+        if key not in rows:
+            row = probs[d] if given is None or d == 0 else given[d][r]
+            rows[key] = row, sorted(range(len(row)), key=lambda c: -row[c])[:branching]
+        return rows[key]
 
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
     scores: list[float] = []
-    # (-score, order, depth, candidate rank, parent): `order` breaks ties first come, first served.
-    heap = [(-probs[0][r], i, 1, r, -1) for i, r in enumerate(best(probs[0]))]
-    order = len(heap)
+    # A node's siblings are pushed one by one, each when the one ranked above it is taken: no node
+    # outscores its better-ranked sibling, so nodes come out in the order they would if all were
+    # pushed at once (8x fewer heap operations). Entries: (-score, order, depth, sibling index,
+    # parent, parent's -score, the siblings' first order, their scores, their ranks); `order`
+    # breaks ties first come, first served, numbered as if all siblings were pushed together.
+    heap: list[tuple] = []
+    order = 0
+
+    def push_children(d: int, r: int, node: int, neg: float) -> None:
+        nonlocal order
+        row, best = ranked(d, r)
+        if best:
+            heapq.heappush(heap, (neg * row[best[0]], order, d + 1, 0, node, neg, order, row, best))
+            order += len(best)
+
+    push_children(0, 0, -1, -1.0)
     while heap and len(tokens) < max_nodes:
-        neg, _, d, r, parent = heapq.heappop(heap)
+        neg, _, d, j, parent, above, first, row, best = heapq.heappop(heap)
+        r = best[j]
         tokens.append(int(ids[d - 1][r]))
         parents.append(parent)
         depths.append(d)
         scores.append(-neg)
+        if j + 1 < len(best):
+            heapq.heappush(heap, (above * row[best[j + 1]], first + j + 1, d, j + 1, parent, above, first, row, best))
         if d < len(probs):
-            node = len(tokens) - 1
-            row = probs[d] if given is None else given[d][r]
-            for r2 in best(row):
-                heapq.heappush(heap, (neg * row[r2], order, d + 1, r2, node))
-                order += 1
+            push_children(d, r, len(tokens) - 1, neg)
     return DraftTree(tokens, parents, depths, scores)
 
 
@@ -157,21 +176,27 @@ def add_chain(tree: DraftTree, tokens: list[int], scores: list[float], source: s
     return add_chains(tree, [(tokens, scores, source)])
 
 
-def add_chains(tree: DraftTree, chains: list[Chain]) -> DraftTree:
+def add_chains(tree: DraftTree, chains: list[Chain], keep: int | None = None) -> DraftTree:
     """`tree` with chains of guesses below the anchor merged in, in order: a guess equal to an
     existing node under the same parent raises that node's score to the guess's; the others
     become new nodes. Scores are then capped by their parent's, and the nodes re-sorted best
     first (ties: shallower first), so every prefix is still a tree. One sort for all the chains
-    of a block (lookup.py merges up to ten)."""
+    of a block (lookup.py merges up to ten). With `keep`, the result is the best `keep` nodes
+    (the prefix), and a chain stops at its first guess scored below `tree`'s keep-th node, which
+    could not be among them: scores only fall along a chain, and merging only raises a node."""
     if not chains:
-        return tree
-    toks, pars, deps = list(tree.tokens), list(tree.parents), list(tree.depths)
-    scs, looked = list(tree.scores), [tree.is_lookup(i) for i in range(len(tree))]
-    by = [tree.source(i) if looked[i] else "" for i in range(len(tree))]
+        return tree if keep is None else tree.prefix(keep)
+    floor = keep_floor(tree, keep)
+    n = len(tree)
+    toks, pars, deps, scs = list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.scores)
+    looked = [*tree.from_lookup, *[False] * (n - len(tree.from_lookup))]
+    by = [tree.source(i) if looked[i] else "" for i in range(n)] if any(looked) else [""] * n
     children = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks, strict=True))}
     for tokens, scores, source in chains:
         parent = -1
         for depth, (tok, score) in enumerate(zip(tokens, scores, strict=True), start=1):
+            if score < floor:
+                break
             node = children.get((parent, tok))
             if node is None:
                 node = len(toks)
@@ -189,10 +214,19 @@ def add_chains(tree: DraftTree, chains: list[Chain]) -> DraftTree:
         if p >= 0:
             scs[i] = min(scs[i], scs[p])
     order = sorted(range(len(toks)), key=lambda i: (-scs[i], deps[i], i))
-    rank = {old: new for new, old in enumerate(order)}
+    rank = [0] * len(order)
+    for new, old in enumerate(order):
+        rank[old] = new
+    order = order[:keep]
     return DraftTree([toks[i] for i in order], [rank[pars[i]] if pars[i] >= 0 else -1 for i in order],
                      [deps[i] for i in order], [scs[i] for i in order], [looked[i] for i in order],
                      [by[i] for i in order])
+
+
+def keep_floor(tree: DraftTree, keep: int | None) -> float:
+    """The score a guess must reach to be among the best `keep` nodes once merged into `tree`
+    (`add_chains`); -inf where every guess could be."""
+    return tree.scores[keep - 1] if keep is not None and len(tree) >= keep else float("-inf")
 
 
 def visibility(tree: DraftTree, device: torch.device | str = "cpu") -> torch.Tensor:

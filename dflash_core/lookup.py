@@ -30,8 +30,8 @@ overrated guesses would make trees larger than pays.
 
 from __future__ import annotations
 
-from .corpus import ORDER, CorpusNgrams
-from .draft_tree import Chain, DraftTree, add_chains
+from .corpus import FLOOR, ORDER, CorpusNgrams
+from .draft_tree import Chain, DraftTree, add_chains, keep_floor
 
 MAX_NGRAM = 3
 BRANCHES = 4  # the drafter's best nodes that also get a guess for what follows them
@@ -108,10 +108,10 @@ class LookupRates:
 
     def scores(self, n: int, length: int) -> list[float]:
         """The guess's path scores: the product of the rates up to each position."""
+        rates = [self.hits[key] / self.tries[key] for key in (self._key(n, k) for k in range(POSITIONS))]
         out, score = [], 1.0
         for k in range(length):
-            key = self._key(n, k)
-            score *= self.hits[key] / self.tries[key]
+            score *= rates[min(k, POSITIONS - 1)]
             out.append(score)
         return out
 
@@ -126,15 +126,17 @@ class LookupRates:
 
 
 def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_depth: int,
-                branches: int = BRANCHES, corpus: CorpusNgrams | None = None,
+                branches: int = BRANCHES, corpus: CorpusNgrams | None = None, keep: int | None = None,
                 ) -> tuple[DraftTree, tuple[int, list[int]]]:
     """The drafter's `tree` with prompt-lookup chains merged in: one after the anchor, and one
     after each of the drafter's `branches` best nodes, as if that node's path were committed (when
     the drafter has the first tokens of a repeat right but the committed text does not yet reach
     into it, lookup can then carry the rest). A chain's scores are its node's score times the
     guess's calibrated rates; chains run at most to block position `max_depth`. With a `corpus`
-    (corpus.py), its chains join at the same places.
+    (corpus.py), its chains join at the same places. With `keep`, the tree is cut to its best
+    `keep` nodes, and guesses that could not be among them are not made (`add_chains`).
     Returns the tree and the anchor's guess (n, tokens), which `rates.update` learns from."""
+    floor = keep_floor(tree, keep)
     nodes = [tree.path_to(i) for i in range(min(branches, len(tree)))]
     # the anchor (an empty path, certain) first, then the drafter's best nodes
     starts = [([], [])] + [([tree.tokens[j] for j in p], [tree.scores[j] for j in p]) for p in nodes]
@@ -152,7 +154,8 @@ def with_lookup(tree: DraftTree, index: NgramIndex, rates: LookupRates, max_dept
             rated = rates.scores(n, len(guess))
             chains.append((path + guess, path_scores + [above * r**GUESS_CALIBRATION for r in rated], "lookup"))
         if corpus is not None:
-            guess, below = corpus.chain([*index.ids[-ORDER:], *path], room, above, power=GUESS_CALIBRATION)
+            guess, below = corpus.chain([*index.ids[-ORDER:], *path], room, above, power=GUESS_CALIBRATION,
+                                        floor=max(FLOOR, floor))
             if guess:
                 chains.append((path + guess, path_scores + below, "ngram"))
-    return add_chains(tree, chains), anchor_guess
+    return add_chains(tree, chains, keep), anchor_guess

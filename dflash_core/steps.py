@@ -184,8 +184,8 @@ class TreeStep(DraftingStep):
         draft = self.draft(anchor, start, self.context, self.draft_cache, self.pace.draft_length)
         tree = candidate_tree(draft, self.max_nodes)
         if self.lookup is not None:
-            tree, self.guess = with_lookup(tree, self.lookup, self.rates, self.pace.block - 1, corpus=self.corpus)
-        tree = tree.prefix(self.max_nodes)
+            tree, self.guess = with_lookup(tree, self.lookup, self.rates, self.pace.block - 1, corpus=self.corpus,
+                                           keep=self.max_nodes)
         depth = None
         if self.pace.cost is not None:  # as many candidates as pay for their share of the pass
             tree = tree.prefix(self.pace.size(tree.scores, time.perf_counter() - t1))
