@@ -77,7 +77,8 @@ class CorpusNgrams:
     scores: np.ndarray  # float32
     meta: dict[str, object]
     # Answers already looked up: a block's chains (and the next block's) often walk the same contexts.
-    _seen: dict[tuple[int, ...], tuple[int, float] | None] = field(default_factory=dict, repr=False, compare=False)
+    _seen: dict[tuple[int, ...], tuple[int, float] | None] = field(default_factory=dict, init=False, repr=False,
+                                                                    compare=False)
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -233,12 +233,12 @@ def visibility(tree: DraftTree, device: torch.device | str = "cpu") -> torch.Ten
     """bool [n+1, n+1] over [anchor, nodes...]: row i may attend to column j (j is i itself,
     the anchor or an ancestor of i)."""
     n = len(tree)
-    rows: list[list[int]] = [[0]]  # the rows each row sees (one small tensor write for them all)
+    rows = [[True] + [False] * n]  # row i+1 is its parent's row with i+1 set (one tensor made from all)
     for i, parent in enumerate(tree.parents, start=1):
-        rows.append([*rows[parent + 1], i])
-    seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    seen[[i for i, row in enumerate(rows) for _ in row], [j for row in rows for j in row]] = True
-    return seen.to(device)
+        row = list(rows[parent + 1])
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool, device=device)
 
 
 def walk(tree: DraftTree, choices: list[int]) -> tuple[list[int], int]:

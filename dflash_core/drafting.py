@@ -82,7 +82,7 @@ class BlockDrafter:
         tokens = torch.tensor([anchor] + [drafter.mask_token_id] * n, device=dev)
         if drafter.candidate_selector is not None:
             return self.walk(tokens, start, context, cache, sampler)
-        if steps == 1:
+        if min(steps, n) == 1:
             return self.one_step(tokens, start, context, cache, sampler)
         chosen_p = torch.zeros(n, device=dev)
         q_sub = None  # the proposal rows, over the draft vocabulary, of the positions fixed so far
@@ -108,17 +108,14 @@ class BlockDrafter:
                 pick = sample(probs, sampler.generator)
                 conf = probs.gather(-1, pick[:, None])[:, 0]
             guess = pick if vocab is None else vocab[pick]
-            if done == 0 and n_fixed == n:  # one step fixes every position (DFlash as published)
-                newly = torch.ones_like(fixed)
-            else:
-                # greedy: the most confident unfixed first; sampling: left to right
-                rank = conf if sampler.greedy else -torch.arange(n, device=dev, dtype=torch.float)
-                order = torch.where(fixed, float("-inf"), rank)
-                guess = torch.where(fixed, tokens[1:], guess)
-                conf = torch.where(fixed, chosen_p, conf)
-                newly = torch.zeros_like(fixed)
-                newly[torch.topk(order, n_fixed - done).indices] = True
-                newly &= ~fixed
+            # greedy: the most confident unfixed first; sampling: left to right
+            rank = conf if sampler.greedy else -torch.arange(n, device=dev, dtype=torch.float)
+            order = torch.where(fixed, float("-inf"), rank)
+            guess = torch.where(fixed, tokens[1:], guess)
+            conf = torch.where(fixed, chosen_p, conf)
+            newly = torch.zeros_like(fixed)
+            newly[torch.topk(order, n_fixed - done).indices] = True
+            newly &= ~fixed
             done = n_fixed
             tokens[1:] = torch.where(newly, guess, tokens[1:])
             chosen_p = torch.where(newly, conf, chosen_p)
@@ -133,8 +130,8 @@ class BlockDrafter:
 
     def one_step(self, tokens: torch.Tensor, start: int, context: torch.Tensor | None, cache: object,
                  sampler: Sampler) -> Draft:
-        """DFlash as published: one pass fixes every position. The same draft the loop in
-        `__call__` makes with one step, in fewer calls: a block's drafting Python runs cold after
+        """DFlash as published: one pass fixes every position. Kept apart from the denoising loop
+        in `__call__`, whose bookkeeping it does not need: a block's drafting Python runs cold after
         every target pass, where each call costs several times what it costs in a loop."""
         hidden = self.drafter.step(self.target.embed(tokens[None]), start, cache, context)
         logits = self.logits(hidden[0, 1:])
