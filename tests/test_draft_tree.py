@@ -47,6 +47,50 @@ def test_tree_grows_best_first() -> None:
         grow_tree(PROBS, IDS, max_nodes=0)
 
 
+def eager_tree(probs: list[list[float]], ids: list[list[int]], max_nodes: int, branching: int,
+               given: list[list[list[float]]] | None) -> tuple[list[int], list[int], list[int], list[float]]:
+    """Best-first growth as first written: every child pushed when its parent is taken."""
+    import heapq
+
+    def best(row: list[float]) -> list[int]:
+        return sorted(range(len(row)), key=lambda r: -row[r])[:branching]
+
+    out: tuple[list[int], list[int], list[int], list[float]] = ([], [], [], [])
+    heap = [(-probs[0][r], i, 1, r, -1) for i, r in enumerate(best(probs[0]))]
+    order = len(heap)
+    while heap and len(out[0]) < max_nodes:
+        neg, _, d, r, parent = heapq.heappop(heap)
+        for part, value in zip(out, (int(ids[d - 1][r]), parent, d, -neg), strict=True):
+            part.append(value)
+        if d < len(probs):
+            row = probs[d] if given is None else given[d][r]
+            for r2 in best(row):
+                heapq.heappush(heap, (neg * row[r2], order, d + 1, r2, len(out[0]) - 1))
+                order += 1
+    return out
+
+
+def test_tree_equals_pushing_every_child_at_once() -> None:
+    """`grow_tree` pushes siblings one at a time: the same nodes in the same order (ties and
+    zero probabilities included, marginals and conditioned rows alike) as pushing them all."""
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        positions, k = rng.randint(1, 6), rng.randint(1, 8)
+
+        def p() -> float:
+            return rng.choice([0.5, 0.25, 0.0, rng.random(), rng.random()])
+
+        probs = [[p() for _ in range(k)] for _ in range(positions)]
+        ids = [[rng.randint(0, 20) for _ in range(k)] for _ in range(positions)]
+        given = [[[p() for _ in range(k)] for _ in range(k)] for _ in range(positions)] if rng.random() < 0.5 else None
+        max_nodes, branching = rng.randint(1, 40), rng.randint(1, 8)
+        tree = grow_tree(probs, ids, max_nodes, branching, given)
+        assert (tree.tokens, tree.parents, tree.depths, tree.scores) == eager_tree(probs, ids, max_nodes, branching,
+                                                                                  given)
+
+
 def test_conditioned_rows_rank_each_nodes_children_after_its_token() -> None:
     """DFlash 2: position 2's candidates in another order after each of position 1's."""
     given = [[[0.6, 0.4], [0.6, 0.4]], [[0.9, 0.1], [0.2, 0.8]]]

@@ -113,3 +113,23 @@ def test_lookup_extends_the_drafters_best_nodes() -> None:
     # Without branches only the anchor gets a guess: here none, so the drafter's tree is unchanged.
     same, _ = with_lookup(tree, index, rates, max_depth=4, branches=0)
     assert same == tree
+
+
+def test_keeping_the_best_nodes_cuts_the_merged_tree() -> None:
+    """`keep`: guesses that could not be among the best `keep` nodes are not made, and the result
+    is what merging them all and then cutting the tree would give."""
+    rng = random.Random(3)
+    for _ in range(300):
+        committed = [rng.randint(0, 6) for _ in range(rng.randint(2, 40))]
+        k = rng.randint(1, 4)
+        probs = [sorted((rng.random() for _ in range(k)), reverse=True) for _ in range(5)]
+        ids = [[rng.randint(0, 6) for _ in range(k)] for _ in range(5)]
+        tree = grow_tree(probs, ids, max_nodes=rng.randint(1, 12), branching=k)
+        index, rates, keep = NgramIndex(committed), LookupRates(), rng.randint(1, 12)
+        whole, guess = with_lookup(tree, index, rates, max_depth=6)
+        kept, kept_guess = with_lookup(tree, index, rates, max_depth=6, keep=keep)
+        cut = whole.prefix(keep)
+        assert (kept.tokens, kept.parents, kept.depths, kept.scores) == (cut.tokens, cut.parents, cut.depths,
+                                                                           cut.scores)
+        assert [kept.is_lookup(i) for i in range(len(kept))] == [cut.is_lookup(i) for i in range(len(cut))]
+        assert kept_guess == guess
