@@ -190,7 +190,7 @@ def add_chains(tree: DraftTree, chains: list[Chain], keep: int | None = None) ->
     n = len(tree)
     toks, pars, deps, scs = list(tree.tokens), list(tree.parents), list(tree.depths), list(tree.scores)
     looked = [*tree.from_lookup, *[False] * (n - len(tree.from_lookup))]
-    by = [tree.source(i) if looked[i] else "" for i in range(n)] if any(looked) else [""] * n
+    by = [tree.source(i) if looked[i] else "" for i in range(n)]
     children = {(p, t): i for i, (p, t) in enumerate(zip(pars, toks, strict=True))}
     for tokens, scores, source in chains:
         parent = -1

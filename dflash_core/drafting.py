@@ -65,6 +65,17 @@ class BlockDrafter:
         logits = (self.target.lm_head(hidden) if self.head is None else self.head(hidden)).float()
         return self.drafter.shape_logits(logits)
 
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Target token ids of indices into the draft vocabulary (the indices themselves without one)."""
+        return index if self.vocab is None else self.vocab[index]
+
+    def whole_vocab(self, q: torch.Tensor) -> torch.Tensor:
+        """Proposal rows over the draft vocabulary as rows over the target's whole vocabulary,
+        which the accept rule reads (zero outside the draft vocabulary)."""
+        if self.vocab is None:
+            return q
+        return q.new_zeros(q.shape[0], self.target.vocab_size).index_copy_(1, self.vocab, q)
+
     @torch.inference_mode()
     def __call__(self, anchor: int, start: int, context: torch.Tensor | None, cache: object, length: int,
                  steps: int, sampler: Sampler) -> Draft:
@@ -76,7 +87,7 @@ class BlockDrafter:
         the most confident first; sampling fixes left to right, because fixing a position
         after (and dependent on) a later one would bias the speculative sampling test.
         """
-        drafter, target, vocab = self.drafter, self.target, self.vocab
+        drafter, target = self.drafter, self.target
         dev = target.device
         n = length - 1
         tokens = torch.tensor([anchor] + [drafter.mask_token_id] * n, device=dev)
@@ -98,7 +109,7 @@ class BlockDrafter:
             probs = torch.softmax(logits, -1) if sampler.greedy else sampler.probs(logits)
             if top is None:  # first step, before any token is drawn (see verify_length)
                 top_p, top_i = probs.topk(min(BRANCHING, probs.shape[-1]), -1)
-                top = (top_p, top_i if vocab is None else vocab[top_i])
+                top = (top_p, self.token_ids(top_i))
                 confidence = top_p[:, 0]
                 if sampler.greedy:
                     conf, pick = top_p[:, 0], top_i[:, 0]
@@ -107,7 +118,7 @@ class BlockDrafter:
             if not sampler.greedy:
                 pick = sample(probs, sampler.generator)
                 conf = probs.gather(-1, pick[:, None])[:, 0]
-            guess = pick if vocab is None else vocab[pick]
+            guess = self.token_ids(pick)
             # greedy: the most confident unfixed first; sampling: left to right
             rank = conf if sampler.greedy else -torch.arange(n, device=dev, dtype=torch.float)
             order = torch.where(fixed, float("-inf"), rank)
@@ -123,9 +134,7 @@ class BlockDrafter:
                 q_sub = probs if q_sub is None else torch.where(newly[:, None], probs, q_sub)
             fixed = fixed | newly
             history.append((guess, conf, fixed))  # fresh tensors each step: nothing changes them later
-        q = None
-        if q_sub is not None:  # the accept rule reads q over the whole vocabulary
-            q = q_sub if vocab is None else q_sub.new_zeros(n, target.vocab_size).index_copy_(1, vocab, q_sub)
+        q = None if q_sub is None else self.whole_vocab(q_sub)
         return Draft(tokens=tokens[1:].clone(), probs=chosen_p, q=q, steps=history, confidence=confidence, top=top)
 
     def one_step(self, tokens: torch.Tensor, start: int, context: torch.Tensor | None, cache: object,
@@ -137,15 +146,13 @@ class BlockDrafter:
         logits = self.logits(hidden[0, 1:])
         probs = torch.softmax(logits, -1) if sampler.greedy else sampler.probs(logits)
         top_p, top_i = probs.topk(min(BRANCHING, probs.shape[-1]), -1)
-        top_ids = top_i if self.vocab is None else self.vocab[top_i]
+        top_ids = self.token_ids(top_i)
         q = None
         if sampler.greedy:
             guess, conf = top_ids[:, 0], top_p[:, 0]
         else:
             pick = sample(probs, sampler.generator)
-            guess, conf = (pick if self.vocab is None else self.vocab[pick]), probs.gather(-1, pick[:, None])[:, 0]
-            q = probs if self.vocab is None else probs.new_zeros(len(pick), self.target.vocab_size).index_copy_(
-                1, self.vocab, probs)
+            guess, conf, q = self.token_ids(pick), probs.gather(-1, pick[:, None])[:, 0], self.whole_vocab(probs)
         fixed = torch.ones(len(guess), dtype=torch.bool, device=guess.device)
         return Draft(tokens=guess, probs=conf, q=q, steps=[(guess, conf, fixed)], confidence=top_p[:, 0],
                      top=(top_p, top_ids))
