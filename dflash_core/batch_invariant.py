@@ -7,8 +7,8 @@ the order of additions, and a library picks a different kernel, blocking or thre
 different number of rows; in bf16 the rounding is coarse enough that such a difference flips a
 near-tie every few hundred tokens. This module computes so that it cannot:
 
-- Linear layers: on AVX512-BF16 without AMX, a compiled kernel (cpu_kernels.py) sums each
-  output in one fixed order, whatever the rows. Elsewhere oneDNN's bf16 GEMM, which gives each
+- Linear layers: on AVX512-BF16 (AMX CPUs have it too), a compiled kernel (cpu_kernels.py) sums
+  each output in one fixed order, whatever the rows. Elsewhere oneDNN's bf16 GEMM, which gives each
   row the same bits for 2..32 rows (measured for every shape of SmolLM2, with AMX and with
   AVX512-BF16; 33 rows and more take another kernel), so a pass is cut into calls of at most
   `MAX_ROWS` rows, and a lone row, whose kernel's bits differ, is computed as a pair

@@ -1,8 +1,8 @@
 """The batch-invariant bf16 maths as compiled calls: attention (`cpu_attention.cpp`), RMSNorm,
-RoPE and SwiGLU's SiLU-times-up (`cpu_rowwise.cpp`, layers.py), and on CPUs with AVX512-BF16 but
-no AMX the linear layers (`cpu_linear.cpp`) and, built from all of these, a whole decoder layer
-and a drafter's layer as one call each (`cpu_layer.cpp`: a layer as ~20 Python-level calls cost
-a one-token pass ~2 ms of its ~9).
+RoPE and SwiGLU's SiLU-times-up (`cpu_rowwise.cpp`, layers.py), on CPUs with AVX512-BF16 (AMX
+Xeons have it too) the linear layers (`cpu_linear.cpp`) and, built from all of these, a whole
+decoder layer and a drafter's layer as one call each (`cpu_layer.cpp`: a layer as ~20
+Python-level calls cost a one-token pass ~2 ms of its ~9).
 
 Each computes every result whole, in one fixed order, so a row's bits cannot depend on the pass:
 what `FastForward.rows_agree` checks on every load.
@@ -12,12 +12,12 @@ what `FastForward.rows_agree` checks on every load.
   oneDNN at ~40 µs each, for a few microseconds of arithmetic), a plain step ~0.2 ms. The kernel
   reduces each (query head, row) over exactly the keys the row sees, in position order; a KV group's
   heads and a few rows share a tile so each key is read once (~30 µs for 7 rows of 9 heads).
-- Linear layers: oneDNN's bf16 GEMM on AVX512-BF16 is row-invariant only for 2..32 rows, so a
-  plain step multiplied its one row as a pair, and its blocking reads the weights again past 6
-  rows. All of SmolLM2's linears, 2 threads, on a Zen 4: oneDNN 16.5 ms for a plain step's pair,
-  13.5 ms for 6 rows, 15.9 for 8; the kernel 7-9 ms for 1 to 8 rows (reading 270 MB of weights at
-  the memory's speed), as fast as oneDNN from 16 rows on. On AMX, oneDNN's tiles stay (measured
-  there; the kernel is not).
+- Linear layers: oneDNN's bf16 GEMM is row-invariant only for 2..32 rows, so a plain step
+  multiplied its one row as a pair, and it reads the weights slower than the memory allows. All of
+  SmolLM2's linears, 2 threads: on a Zen 4, oneDNN 16.5 ms for a plain step's pair, 15.9 for 8
+  rows, the kernel (vdpbf16ps) 7-9 ms for 1 to 8 rows; on an AMX Xeon, oneDNN's tiles 13-14 ms for
+  1 to 16 rows, the kernel's tile multiplies 8.0-8.2 ms (vdpbf16ps there: 7.9 at 1 row, 12.3 at 8,
+  22 at 16, out of arithmetic). `linear_units()` says which instruction multiplies here.
 
 Built once per machine by torch's C++ extension loader (g++ and ninja; ~40 s on 2 cores, cached
 in torch's extensions folder under a name that hashes the sources, this CPU's vector instructions
@@ -41,8 +41,8 @@ import torch
 SOURCES = [Path(__file__).with_name(name)  # one translation unit, in this order: cpu_layer.cpp calls the others
            for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_rowwise.cpp", "cpu_layer.cpp")]
 HEADER = Path(__file__).with_name("cpu_bf16.h")  # bf16 helpers the sources share
-FUNCTIONS = ["attention", "pack_linear", "linear", "rms_norm", "rope", "swiglu", "decoder_layer", "draft_layer",
-             "argmax_rows"]
+FUNCTIONS = ["attention", "pack_linear", "linear", "linear_units", "rms_norm", "rope", "swiglu", "decoder_layer",
+             "draft_layer", "argmax_rows"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention's instantiations (other sizes take the torch calls)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
 log = logging.getLogger(__name__)
@@ -60,6 +60,12 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
+def _cpu_supports_amx() -> bool:
+    from .batch_invariant import _cpu_supports
+
+    return _cpu_supports("_is_amx_tile_supported")
+
+
 @functools.cache
 def _load() -> tuple[Any, str | None]:
     if os.environ.get("DFLASH_CPU_KERNEL", "1") == "0":
@@ -68,7 +74,8 @@ def _load() -> tuple[Any, str | None]:
         return None, f"this CPU has no AVX-512 ({torch.backends.cpu.get_cpu_capability()})"
     sources = [path.read_text() for path in SOURCES]
     capability = torch.backends.cpu.get_cpu_capability()
-    tag = hashlib.sha1(f"{sources}{HEADER.read_text()}{FLAGS}{capability}{torch.__version__}".encode())
+    amx = _cpu_supports_amx()  # -march=native builds the tile path only where the CPU has tiles
+    tag = hashlib.sha1(f"{sources}{HEADER.read_text()}{FLAGS}{capability}{amx}{torch.__version__}".encode())
     name = f"dflash_cpu_kernels_{tag.hexdigest()[:12]}"
     try:
         from torch.utils import cpp_extension
@@ -99,10 +106,10 @@ def unavailable_reason() -> str | None:
 
 
 def linear_kernel() -> Any:
-    """The module when the compiled linear layers apply here (AVX512-BF16 without AMX), else None."""
+    """The module when the compiled linear layers apply here (AVX512-BF16, with or without AMX), else None."""
     from .batch_invariant import _cpu_supports
 
-    if _cpu_supports("_is_amx_tile_supported") or not _cpu_supports("_is_avx512_bf16_supported"):
+    if not _cpu_supports("_is_avx512_bf16_supported"):
         return None
     return kernel()
 
@@ -126,4 +133,5 @@ def describe() -> str:
         return f"[cpu kernels] not built: {unavailable_reason()}"
     if not bf16_gemm_available():
         return "[cpu kernels] ready (argmax; without bf16 units the target runs in float32)"
-    return f"[cpu kernels] ready (attention{', linear layers' if linear_kernel() is not None else ''})"
+    linears = linear_kernel()
+    return f"[cpu kernels] ready (attention{'' if linears is None else f', linear layers on {linears.linear_units()}'})"

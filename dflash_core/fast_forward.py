@@ -72,7 +72,7 @@ class FastForward:
 
     def __init__(self, model: Any, pack: bool | None = None, invariant: bool | None = None) -> None:
         """`invariant`: bf16 maths whose rows never depend on the pass (batch_invariant.py);
-        None = wherever the model is bf16 on a CPU with AMX."""
+        None = wherever the model is bf16 on a CPU with bf16 units (AMX, AVX512-BF16)."""
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"no fast forward for this model: {reason}")

@@ -24,9 +24,10 @@ def test_it_is_built_wherever_the_target_runs_in_bf16() -> None:
     if not batch_invariant.bf16_gemm_available() or shutil.which("c++") is None:
         pytest.skip("no bf16 units or no C++ compiler: the torch calls are the attention here")
     assert cpu_kernels.kernel() is not None, cpu_kernels.unavailable_reason()
-    linears = batch_invariant.bf16_units() == "AVX512-BF16"  # on AMX, oneDNN's tiles multiply
-    assert (cpu_kernels.linear_kernel() is not None) == linears
-    assert cpu_kernels.describe() == f"[cpu kernels] ready (attention{', linear layers' if linears else ''})"
+    module = cpu_kernels.linear_kernel()
+    assert module is not None
+    assert module.linear_units() == batch_invariant.bf16_units()  # AMX's tiles where the CPU has them
+    assert cpu_kernels.describe() == f"[cpu kernels] ready (attention, linear layers on {module.linear_units()})"
 
 
 def test_turned_off_it_says_so(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,7 +127,7 @@ def test_a_drafters_full_attention_is_sdpas(hd: int) -> None:
 
 
 needs_linear = pytest.mark.skipif(cpu_kernels.linear_kernel() is None,
-                                  reason="the compiled linear layers apply on AVX512-BF16 without AMX")
+                                  reason="the compiled linear layers need AVX512-BF16")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -150,12 +151,14 @@ def test_the_linear_kernel_is_a_bf16_linear_layer(rows: int, out: int, inp: int)
 
 
 @needs_linear
-def test_a_linear_rows_bits_depend_only_on_the_row() -> None:
-    """Every row count from 1 to 40 (one register tile, several, panels of the reduction), on one
-    thread or two: row i's output is the same bits as row i alone."""
+@pytest.mark.parametrize("inputs", [1536, 1000])  # on AMX: tile multiplies, and vdpbf16ps (not a multiple of 32)
+def test_a_linear_rows_bits_depend_only_on_the_row(inputs: int) -> None:
+    """Every row count from 1 to 40 (one register or AMX tile, several, panels of the reduction),
+    on one thread or two: row i's output is the same bits as row i alone."""
     gen = torch.Generator().manual_seed(11)
-    x = torch.randn(40, 1536, generator=gen).bfloat16()
-    weight = (torch.randn(576 + 32, 1536, generator=gen) / 40).bfloat16()  # 38 blocks: a tail past whole tiles of 3
+    x = torch.randn(40, inputs, generator=gen).bfloat16()
+    # 38 blocks of 16 outputs: a tail past whole tiles of 3 blocks (vdpbf16ps) and of 4 (AMX)
+    weight = (torch.randn(576 + 32, inputs, generator=gen) / 40).bfloat16()
     module = cpu_kernels.linear_kernel()
     packed = module.pack_linear(weight)
     alone = torch.cat([module.linear(x[i : i + 1], packed, None) for i in range(40)])
@@ -286,3 +289,17 @@ def test_argmax_rows_is_torchs_max_index(n: int) -> None:
     assert got.dtype == torch.long
     assert torch.equal(got, x.max(-1).indices)
     assert torch.equal(cpu_kernels.kernel().argmax_rows(x.t().contiguous().t()), x.max(-1).indices)
+
+
+@needs_linear
+def test_the_linear_kernel_and_onednn_take_turns() -> None:
+    """On AMX both configure the tile registers: oneDNN's bf16 GEMM (training, odd layers) gives
+    the same bits before and after the kernel's calls, and the kernel's own bits hold after oneDNN's."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, 576, generator=gen).bfloat16()
+    weight = (torch.randn(960, 576, generator=gen) / 24).bfloat16()
+    onednn = batch_invariant.onednn_weight(weight)
+    before = batch_invariant.onednn_linear(x, onednn, None)
+    ours = linear(x[:3], weight)
+    assert torch.equal(batch_invariant.onednn_linear(x, onednn, None), before)
+    assert torch.equal(linear(x[:3], weight), ours)
