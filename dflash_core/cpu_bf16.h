@@ -6,6 +6,34 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+// The tile registers' shapes, as ldtilecfg reads them (palette 1: eight tiles of up to 16 rows of
+// 64 bytes).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Loads `c` into the tile registers' configuration. GCC 12's _tile_loadconfig tells the compiler
+// it reads only the first 8 bytes, so the rest of the stores could be dropped as dead without
+// the barrier.
+inline void load_tile_config(const TileConfig& c) {
+  __asm__ volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+// Linux hands out the tile registers' state only to a process that asks (ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); oneDNN asks too, asking twice is harmless.
+inline bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+#endif
+
 // 16 bf16 values as floats: bf16 is the top half of a float's bits.
 inline __m512 load_bf16(const uint16_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

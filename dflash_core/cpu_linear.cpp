@@ -7,14 +7,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_bf16.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #ifdef __AVX512BF16__
 
@@ -116,26 +116,13 @@ void columns(const Args& a, int64_t m, int64_t b0, float* sums) {
 constexpr int kTilePairs = 16;  // input pairs per tile multiply: 32 inputs, 64 bytes a row
 constexpr int64_t kTileInputs = 2 * kTilePairs;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the tile registers' state only to a process that asks (ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); oneDNN asks too, asking twice is harmless.
-bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
-}
-
 // Tiles 0-3 sum four weight blocks, tile 4 holds the rows' inputs, tiles 5-7 the weights.
 void configure_tiles(int rows) {
   TileConfig c;
   for (int t = 0; t < 4; ++t) c.rows[t] = rows, c.colsb[t] = kBlock * 4;
   c.rows[4] = rows, c.colsb[4] = kTilePairs * 4;
   for (int t = 5; t < 8; ++t) c.rows[t] = kTilePairs, c.colsb[t] = kBlock * 4;
-  _tile_loadconfig(&c);
+  load_tile_config(c);
 }
 
 // The float32 sums in `sums` [NB][rows][kBlock] plus the bias, rounded once, into the output.

@@ -73,31 +73,34 @@ def test_it_computes_softmax_attention_over_the_keys_each_row_sees(heads: int, k
 
 
 @needs_kernel
-def test_a_rows_bits_depend_only_on_the_keys_it_sees() -> None:
+@pytest.mark.parametrize(("length", "hd"), [(300, 64), (283, 128)])
+def test_a_rows_bits_depend_only_on_the_keys_it_sees(length: int, hd: int) -> None:
     """The same query over the same keys: alone, as one row of a chain, as a tree row whose
-    ancestors are gathered from elsewhere in the buffer, on one thread or two."""
-    keys, values = random_cache(3, 300, 64, seed=7)
-    q = torch.randn(9, 1, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    ancestors are gathered from elsewhere in the buffer (up to its last row, which ends inside a
+    tile of 16 keys), on one thread or two."""
+    keys, values = random_cache(3, length, hd, seed=7)
+    q = torch.randn(9, 1, hd, generator=torch.Generator().manual_seed(2)).bfloat16()
     alone = run(q, keys, values, [261], [[]])  # keys 0..260
-    others = torch.randn(9, 12, 64, generator=torch.Generator().manual_seed(3)).bfloat16()
-    for size in (2, 5, 12):  # the kernel groups a pass's queries in tiles sized by its row count
+    others = torch.randn(9, 20, hd, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for size in (2, 5, 12, 20):  # the kernel groups a pass's queries in tiles sized by its row count
         for pos in range(size):
             chain = torch.cat([others[:, :pos], q, others[:, pos + 1 : size]], 1)
             got = run(chain, keys, values, [261 - pos + i for i in range(size)], [[]] * size)  # row pos: 0..260
             assert torch.equal(got[:, pos], alone[:, 0]), (size, pos)
     # The tree row: keys 0..249 in place, then 250..260, which a tree pass writes to other rows.
     moved_keys, moved_values = keys.clone(), values.clone()
-    moved_keys[:, 270:281], moved_values[:, 270:281] = keys[:, 250:261], values[:, 250:261]
+    moved = list(range(length - 11, length))
+    moved_keys[:, moved], moved_values[:, moved] = keys[:, 250:261], values[:, 250:261]
     moved_keys[:, 250:261] = moved_values[:, 250:261] = 0
-    tree = run(q, moved_keys, moved_values, [250], [list(range(270, 281))])
+    tree = run(q, moved_keys, moved_values, [250], [moved])
     assert torch.equal(tree, alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = run(others, keys, values, list(range(250, 262)), [[]] * 12)
+        one = run(others, keys, values, list(range(250, 270)), [[]] * 20)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, run(others, keys, values, list(range(250, 262)), [[]] * 12))
+    assert torch.equal(one, run(others, keys, values, list(range(250, 270)), [[]] * 20))
 
 
 @needs_kernel
