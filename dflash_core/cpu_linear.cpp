@@ -183,12 +183,15 @@ bool amx_applies(const Args& a) { return a.pairs % kTilePairs == 0 && amx_permit
 
 void amx_linear(const Args& a, int64_t m, int64_t blocks) {
   const int64_t groups = (blocks + 3) / 4;
+  // Every row tile of a group in turn, so the group's weights come from memory once and from the
+  // caches for the next row tiles (a pass of 17-32 rows had read all the weights twice).
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     alignas(64) float sums[4 * 16 * kBlock];
-    for (int64_t m0 = 0; m0 < m; m0 += 16) {
-      const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
-      configure_tiles(rows);
-      for (int64_t g = g0; g < g1; ++g) {
+    int configured = 0;
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t m0 = 0; m0 < m; m0 += 16) {
+        const int rows = static_cast<int>(std::min<int64_t>(16, m - m0));
+        if (rows != configured) configure_tiles(configured = rows);
         if (4 * g + 4 <= blocks) {
           amx_four(a, m0, rows, 4 * g, sums);
         } else {

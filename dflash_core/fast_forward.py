@@ -7,8 +7,8 @@ the transformers forward stay interchangeable (`Target(fast=False)` picks transf
 Why it exists, measured on SmolLM2-135M with 2 CPU threads: a one-token step reads every weight
 once and is bound by memory bandwidth (~52 ms for 540 MB); transformers' module tree adds ~6 ms
 of host work on top of that. And its linear layers multiply through weights laid out once
-(packing.py), which is what makes verifying a drafted block cheap; on CPUs with AMX it runs the
-batch-invariant bf16 maths (batch_invariant.py) instead.
+(packing.py), which is what makes verifying a drafted block cheap; on CPUs with bf16 units (AMX,
+AVX512-BF16) it runs the batch-invariant bf16 maths (batch_invariant.py) instead.
 
 The fast forward reads the weights as they were when it was built (packed copies are copies): a
 caller that changes the model's weights or dtype afterwards must build a new `Target`.

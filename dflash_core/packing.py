@@ -131,8 +131,8 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A [out, in] weight laid out once for its GEMM library: for bf16 the compiled kernel's layout
-    where it applies (cpu_kernels.py: AVX512-BF16 without AMX), else oneDNN's reordered copy on
-    CPUs with bf16 units; for fp32 oneDNN's where its fp32 GEMM passes its check
+    where it applies (cpu_kernels.py: AVX512-BF16, with AMX tiles where the CPU has them), else
+    oneDNN's reordered copy on CPUs with bf16 units; for fp32 oneDNN's where its fp32 GEMM passes its check
     (`onednn_fp32_works`), else MKL's packed copy; None where none applies (not CPU, or the
     self-checks failed)."""
     if weight.device.type != "cpu":
@@ -184,7 +184,7 @@ def weight_key(w: torch.Tensor) -> tuple[Any, ...]:
 class PackingLinear(torch.nn.Linear):
     """An nn.Linear (same parameters, same checkpoints) that, at CPU inference with 4 or more
     rows, multiplies through weights laid out once (`pack_weight`: MKL-packed fp32, ~25 % cheaper
-    for the drafter's 16-row blocks; oneDNN-reordered bf16 on AMX CPUs). The packed copy is made
+    for the drafter's 16-row blocks; bf16 in the compiled kernel's layout on CPUs with bf16 units). The packed copy is made
     on first use and again whenever the weight changes (training evaluates the live drafter
     between optimizer steps); with gradients on it is a plain nn.Linear."""
 
