@@ -184,9 +184,9 @@ def weight_key(w: torch.Tensor) -> tuple[Any, ...]:
 class PackingLinear(torch.nn.Linear):
     """An nn.Linear (same parameters, same checkpoints) that, at CPU inference with 4 or more
     rows, multiplies through weights laid out once (`pack_weight`: MKL-packed fp32, ~25 % cheaper
-    for the drafter's 16-row blocks; bf16 in the compiled kernel's layout on CPUs with bf16 units). The packed copy is made
-    on first use and again whenever the weight changes (training evaluates the live drafter
-    between optimizer steps); with gradients on it is a plain nn.Linear."""
+    for the drafter's 16-row blocks; bf16 in the compiled kernel's layout on CPUs with bf16
+    units). The packed copy is made on first use and again whenever the weight changes (training
+    evaluates the live drafter between optimizer steps); with gradients on it is a plain nn.Linear."""
 
     _packed: tuple[tuple[Any, ...], torch.Tensor | None] | None = None
 
