@@ -197,11 +197,13 @@ class Target:
                 packed = f", {by}-{'reordered' if by == 'oneDNN' else 'packed'} weights" if by else ""
                 self._forward_note = f"fast forward{packed}"
                 if self.fast_forward.invariant:
-                    compiled = getattr(self.fast_forward.head, "compiled", None) is not None
-                    linears = "compiled linears" if compiled else "oneDNN"
+                    compiled = getattr(self.fast_forward.head, "compiled", None)
+                    # the instruction that multiplies: AMX tiles only where Linux granted them
+                    units = bf16_units() if compiled is None else compiled.linear_units()
+                    linears = f"{'oneDNN' if compiled is None else 'compiled linears'}, {units}"
                     attention = ("compiled attention" if cpu_kernels.kernel() is not None
                                  else f"torch-call attention: {cpu_kernels.unavailable_reason()}")
-                    self._forward_note = f"fast forward, batch-invariant bf16 ({linears}, {bf16_units()}; {attention})"
+                    self._forward_note = f"fast forward, batch-invariant bf16 ({linears}; {attention})"
                     if not rows_agree(self.model, self.fast_forward):
                         self.fast_forward = FastForward(self.model, invariant=False)
                         self._forward_note = ("fast forward, bf16 (the batch-invariance check failed here: "
