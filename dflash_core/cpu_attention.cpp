@@ -266,9 +266,9 @@ inline void transpose16(const float* in, int64_t stride, float* out, int64_t out
 }
 
 // The values of 32 keys (row j at rows[j], nullptr: zeros) as right operands, one per 16
-// dimensions: out[d][p] = dimensions [16d, 16d + 16) of keys 2p and 2p + 1, interleaved.
-template <int NV>
-inline void values_by_pairs(const uint16_t* const rows[2 * kT], uint16_t* out) {
+// dimensions: out[d][p] = dimensions [16d, 16d + 16) of keys 2p and 2p + 1, interleaved; only
+// the 32-dimension halves [h0, h1).
+inline void values_by_pairs(const uint16_t* const rows[2 * kT], int h0, int h1, uint16_t* out) {
   alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   alignas(64) static const uint16_t hi_idx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
@@ -276,7 +276,7 @@ inline void values_by_pairs(const uint16_t* const rows[2 * kT], uint16_t* out) {
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
   for (int p = 0; p < kT; ++p) {
     const uint16_t *a = rows[2 * p], *b = rows[2 * p + 1];
-    for (int h = 0; h < NV / 2; ++h) {
+    for (int h = h0; h < h1; ++h) {
       const __m512i va = a ? _mm512_loadu_si512(a + 32 * h) : _mm512_setzero_si512();
       const __m512i vb = b ? _mm512_loadu_si512(b + 32 * h) : _mm512_setzero_si512();
       _mm512_storeu_si512(out + ((2 * h) * kT + p) * 32, _mm512_permutex2var_epi16(va, lo, vb));
@@ -358,7 +358,8 @@ struct TileScratch {
 template <int NV>
 void attend_tile_amx(const Inputs& in, int64_t kv, int64_t first, int64_t count, TileScratch& s) {
   constexpr int64_t dim = NV * kLanes;
-  constexpr int kGroups = (NV + 3) / 4;  // the value sums' tiles hold 64 dimensions at a time
+  // The value sums' tiles hold 64 dimensions (4 blocks of 16) at a time; NV is 2, 4, 8 or 16.
+  constexpr int kBlocks = std::min(4, NV), kGroups = NV / kBlocks;
   Query qs[kT];
   int64_t most = 0, shared = INT64_MAX, rows = 0;
   for (int64_t i = 0; i < count; ++i) {
@@ -436,31 +437,20 @@ void attend_tile_amx(const Inputs& in, int64_t kv, int64_t first, int64_t count,
   s.part.assign(kT * dim, 0.0f);
   const uint16_t* vh = in.values + kv * in.value_head;
   const uint16_t* value_rows[2 * kT];
+  constexpr int64_t operand = kT * 2 * kT;  // one right operand: 16 pairs of keys x 16 dimensions
   for (int g = 0; g < kGroups; ++g) {
-    const int nb = std::min(4, NV - 4 * g);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < whole; ++c) {
       for (int j = 0; j < 2 * kT; ++j) value_rows[j] = vh + (c * 2 * kT + j) * in.value_row;
-      values_by_pairs<NV>(value_rows, s.values.data());
+      values_by_pairs(value_rows, g * kBlocks / 2, (g + 1) * kBlocks / 2, s.values.data());
       for (int64_t i = 0; i < count; ++i) weight_row(qs[i].w, qs[i].count, c * 2 * kT, s.left.data() + i * 2 * kT);
       _tile_loadd(4, s.left.data(), 64);
-      const uint16_t* b = s.values.data() + 4 * g * kT * 2 * kT;
-      switch (nb) {
-        case 1: multiply_values<1>(b, kT * 2 * kT); break;
-        case 2: multiply_values<2>(b, kT * 2 * kT); break;
-        case 3: multiply_values<3>(b, kT * 2 * kT); break;
-        default: multiply_values<4>(b, kT * 2 * kT); break;
-      }
+      multiply_values<kBlocks>(s.values.data() + g * kBlocks * operand, operand);
     }
-    switch (nb) {
-      case 1: store_sums<1>(s.sums.data() + 64 * g, dim * 4); break;
-      case 2: store_sums<2>(s.sums.data() + 64 * g, dim * 4); break;
-      case 3: store_sums<3>(s.sums.data() + 64 * g, dim * 4); break;
-      default: store_sums<4>(s.sums.data() + 64 * g, dim * 4); break;
-    }
+    store_sums<kBlocks>(s.sums.data() + g * kBlocks * kLanes, dim * 4);
   }
   // The rest of each row's keys (its queries see the same ones), one chunk of 32 at a time.
   for (int64_t i0 = 0; i0 < count;) {
@@ -472,7 +462,7 @@ void attend_tile_amx(const Inputs& in, int64_t kv, int64_t first, int64_t count,
         const int64_t at = c * 2 * kT + j;
         value_rows[j] = at < qr.count ? vh + qr.key_row(at) * in.value_row : nullptr;
       }
-      values_by_pairs<NV>(value_rows, s.values.data());
+      values_by_pairs(value_rows, 0, NV / 2, s.values.data());
       std::fill(s.left.begin() + (i1 - i0) * 2 * kT, s.left.end(), 0);
       for (int64_t i = i0; i < i1; ++i) {
         weight_row(qs[i].w, qs[i].count, c * 2 * kT, s.left.data() + (i - i0) * 2 * kT);
@@ -480,15 +470,10 @@ void attend_tile_amx(const Inputs& in, int64_t kv, int64_t first, int64_t count,
       }
       _tile_loadd(4, s.left.data(), 64);
       for (int g = 0; g < kGroups; ++g) {
-        const int nb = std::min(4, NV - 4 * g);
-        const uint16_t* b = s.values.data() + 4 * g * kT * 2 * kT;
-        float* part = s.part.data() + 64 * g;
-        switch (nb) {
-          case 1: load_sums<1>(part, dim * 4); multiply_values<1>(b, kT * 2 * kT); store_sums<1>(part, dim * 4); break;
-          case 2: load_sums<2>(part, dim * 4); multiply_values<2>(b, kT * 2 * kT); store_sums<2>(part, dim * 4); break;
-          case 3: load_sums<3>(part, dim * 4); multiply_values<3>(b, kT * 2 * kT); store_sums<3>(part, dim * 4); break;
-          default: load_sums<4>(part, dim * 4); multiply_values<4>(b, kT * 2 * kT); store_sums<4>(part, dim * 4); break;
-        }
+        float* part = s.part.data() + g * kBlocks * kLanes;
+        load_sums<kBlocks>(part, dim * 4);
+        multiply_values<kBlocks>(s.values.data() + g * kBlocks * operand, operand);
+        store_sums<kBlocks>(part, dim * 4);
       }
       for (int64_t i = i0; i < i1; ++i)
         std::memcpy(s.sums.data() + i * dim, s.part.data() + (i - i0) * dim, dim * 4);

@@ -60,12 +60,6 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
-def _cpu_supports_amx() -> bool:
-    from .batch_invariant import _cpu_supports
-
-    return _cpu_supports("_is_amx_tile_supported")
-
-
 @functools.cache
 def _load() -> tuple[Any, str | None]:
     if os.environ.get("DFLASH_CPU_KERNEL", "1") == "0":
@@ -74,7 +68,9 @@ def _load() -> tuple[Any, str | None]:
         return None, f"this CPU has no AVX-512 ({torch.backends.cpu.get_cpu_capability()})"
     sources = [path.read_text() for path in SOURCES]
     capability = torch.backends.cpu.get_cpu_capability()
-    amx = _cpu_supports_amx()  # -march=native builds the tile path only where the CPU has tiles
+    from .batch_invariant import _cpu_supports
+
+    amx = _cpu_supports("_is_amx_tile_supported")  # -march=native builds the tile path only where the CPU has tiles
     tag = hashlib.sha1(f"{sources}{HEADER.read_text()}{FLAGS}{capability}{amx}{torch.__version__}".encode())
     name = f"dflash_cpu_kernels_{tag.hexdigest()[:12]}"
     try:

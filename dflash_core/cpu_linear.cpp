@@ -15,7 +15,6 @@
 #include <string>
 #include <vector>
 
-
 #ifdef __AVX512BF16__
 
 namespace {
@@ -39,6 +38,13 @@ struct Args {
 // enough that a core keeps enough reads in flight for the memory's bandwidth while its sums take
 // longer with more rows (distances measured on a Zen 4: bench/HISTORY.md).
 inline int64_t prefetch_distance(int64_t rows) { return rows <= 4 ? 24 : 40; }
+
+// Row `row`'s float32 sums for weight block `block`, plus the bias, rounded once into the output.
+inline void write_out(const Args& a, int64_t row, int64_t block, __m512 s) {
+  if (a.bias) s = _mm512_add_ps(s, _mm512_loadu_ps(a.bias + block * kBlock));
+  uint16_t* o = a.out + row * a.out_stride + block * kBlock;
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(s));
+}
 
 // Rows [m0, m0 + MB) times weight blocks [b0, b0 + NB) over pairs [p0, p1); `sums` carries the
 // float32 sums from one panel to the next.
@@ -71,12 +77,7 @@ inline void tile(const Args& a, int64_t m0, int64_t b0, int64_t p0, int64_t p1, 
     return;
   }
   for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) {
-      __m512 s = acc[i][j];
-      if (a.bias) s = _mm512_add_ps(s, _mm512_loadu_ps(a.bias + (b0 + j) * kBlock));
-      uint16_t* o = a.out + (m0 + i) * a.out_stride + (b0 + j) * kBlock;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(s));
-    }
+    for (int j = 0; j < NB; ++j) write_out(a, m0 + i, b0 + j, acc[i][j]);
 }
 
 template <int R, int NB>
@@ -114,7 +115,6 @@ void columns(const Args& a, int64_t m, int64_t b0, float* sums) {
 // instruction, whatever the rows: row-invariant as the path above, with other bits than it.
 
 constexpr int kTilePairs = 16;  // input pairs per tile multiply: 32 inputs, 64 bytes a row
-constexpr int64_t kTileInputs = 2 * kTilePairs;
 
 // Tiles 0-3 sum four weight blocks, tile 4 holds the rows' inputs, tiles 5-7 the weights.
 void configure_tiles(int rows) {
@@ -129,12 +129,7 @@ void configure_tiles(int rows) {
 template <int NB>
 inline void store_rows(const Args& a, int64_t m0, int rows, int64_t b0, const float* sums) {
   for (int j = 0; j < NB; ++j)
-    for (int i = 0; i < rows; ++i) {
-      __m512 s = _mm512_loadu_ps(sums + (j * 16 + i) * kBlock);
-      if (a.bias) s = _mm512_add_ps(s, _mm512_loadu_ps(a.bias + (b0 + j) * kBlock));
-      uint16_t* o = a.out + (m0 + i) * a.out_stride + (b0 + j) * kBlock;
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), (__m256i)_mm512_cvtneps_pbh(s));
-    }
+    for (int i = 0; i < rows; ++i) write_out(a, m0 + i, b0 + j, _mm512_loadu_ps(sums + (j * 16 + i) * kBlock));
 }
 
 // Rows [m0, m0 + rows) (the tiles configured for `rows`) times four weight blocks from b0.
@@ -179,7 +174,9 @@ inline void amx_one(const Args& a, int64_t m0, int rows, int64_t b0, float* sums
   store_rows<1>(a, m0, rows, b0, sums);
 }
 
-bool amx_applies(const Args& a) { return a.pairs % kTilePairs == 0 && amx_permitted(); }
+// Tile multiplies run here: built for a CPU with AMX, and Linux granted the tiles.
+bool amx_ready() { return amx_permitted(); }
+bool amx_applies(const Args& a) { return a.pairs % kTilePairs == 0 && amx_ready(); }
 
 void amx_linear(const Args& a, int64_t m, int64_t blocks) {
   const int64_t groups = (blocks + 3) / 4;
@@ -203,8 +200,8 @@ void amx_linear(const Args& a, int64_t m, int64_t blocks) {
   });
 }
 #else
+bool amx_ready() { return false; }
 bool amx_applies(const Args&) { return false; }
-constexpr int64_t kTileInputs = 32;
 void amx_linear(const Args&, int64_t, int64_t) {}
 #endif
 
@@ -212,10 +209,7 @@ void amx_linear(const Args&, int64_t, int64_t) {}
 
 // Which instruction multiplies `linear`'s rows here, for reports: "AMX" (tile multiplies, for
 // layers whose inputs are a multiple of 32) or "AVX512-BF16" (vdpbf16ps, for every layer).
-std::string linear_units() {
-  const Args probe{nullptr, nullptr, nullptr, nullptr, kTileInputs / 2, 0, 0, 0};
-  return amx_applies(probe) ? "AMX" : "AVX512-BF16";
-}
+std::string linear_units() { return amx_ready() ? "AMX" : "AVX512-BF16"; }
 
 // A [out, in] bf16 weight (out a multiple of 16, in even) laid out for `linear`:
 // [out / 16][in / 2][16][2], so one 64-byte load holds a pair of inputs for 16 outputs.
