@@ -6,6 +6,12 @@
 // The query heads of one KV group and a few rows are computed together so that each key and value
 // is read once for all of them, but every query's sums run alone, in the same order, so neither
 // the grouping nor the thread split changes a bit.
+//
+// On AVX512-BF16 (below; AMX tiles further down): a score is its query's and key's bf16 pair
+// products (vdpbf16ps) over 16-pair chunks, its lanes summed in one fixed tree; a weight is
+// exp(score - max) rounded to bf16 and the total sums the rounded weights in key order; a query's
+// values are summed two keys at a time in key order (vdpbf16ps on the pair's values interleaved,
+// its two weights broadcast), so a key costs half the instructions fp32 sums did.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -42,6 +48,53 @@ inline __m512 sum_lanes(__m512 a[kLanes]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xdd));
 }
 
+// e^x for x <= 0 to ~3e-6 relative (2^f by a degree-4 polynomial on [-0.5, 0.5], its exponent
+// added to the bits), enough for weights that are rounded to bf16 next: exp_nonpositive's
+// degree-7 polynomial and scalef cost ~20 cycles a vector on a core with one 512-bit FMA unit,
+// most of a 16-row pass's attention once AMX tiles do the sums. Below -80 (weights under 2e-35
+// of the largest) it returns e^-80.
+inline __m512 exp_weight(__m512 x) {
+  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-80.0f)), _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0.009560510516166687f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591703951358795f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
+}
+
+// acc + a.hi * b.hi + a.lo * b.lo in each 32-bit lane of bf16 pairs.
+inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
+#ifdef __AVX512BF16__
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+#else  // CPUs without AVX512-BF16 never run the bf16 target; this keeps the extension building there.
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(a, hi)), _mm512_castsi512_ps(_mm512_and_si512(b, hi)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), acc);
+#endif
+}
+
+// acc + (the pair at p, in every lane) . b: one instruction with the pair as a broadcast memory
+// operand, which GCC does not fold from _mm512_set1_epi32.
+inline __m512 dot_pair_at(__m512 acc, const void* p, __m512i b) {
+#ifdef __AVX512BF16__
+  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(b), "m"(*static_cast<const uint32_t*>(p)));
+  return acc;
+#else
+  return dot_pairs(acc, _mm512_set1_epi32(*static_cast<const int*>(p)), b);
+#endif
+}
+
+// 16 floats rounded to bf16 (to nearest even; they are finite).
+inline __m256i to_bf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
 struct Inputs {
   const uint16_t *q, *keys, *values;
   at::BFloat16* out;
@@ -59,94 +112,140 @@ struct Query {
   int64_t key_row(int64_t j) const { return j < before ? j : after[j - before]; }
 };
 
-#ifdef __AVX512BF16__
-// A query's dot products with 16 keys (rows[u], `keys` of them) as bf16 pairs (vdpbf16ps).
-template <int NV>
-inline __m512 scores16(const uint16_t* q, const uint16_t* kh, int64_t stride, const int64_t* rows, int64_t keys) {
-  constexpr int kPairs = (NV + 1) / 2;  // 32 bf16 per register
-  __m512bh qv[kPairs];
-  for (int c = 0; c < kPairs; ++c)
-    qv[c] = (NV % 2 && c == kPairs - 1) ? (__m512bh)_mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(q + 32 * c)))
-                                         : (__m512bh)_mm512_loadu_si512(q + 32 * c);
+// A query's dot products with 16 keys as bf16 pairs, key u at key(u) (`keys` of them, the rest
+// zeros; kFull: all 16).
+template <int NV, bool kFull, typename Key>
+inline __m512 scores16(const uint16_t* q, Key key, int64_t keys) {
+  constexpr int kRegs = (NV + 1) / 2;  // 32 bf16 per register
+  auto load = [](const uint16_t* p, int c) {
+    return (NV % 2 && c == kRegs - 1) ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c)))
+                                      : _mm512_loadu_si512(p + 32 * c);
+  };
+  __m512i qv[kRegs];
+  for (int c = 0; c < kRegs; ++c) qv[c] = load(q, c);
   __m512 a[kLanes];
-  for (int64_t u = 0; u < kLanes; ++u) {
+#pragma GCC unroll 16
+  for (int u = 0; u < kLanes; ++u) {
     a[u] = _mm512_setzero_ps();
-    if (u >= keys) continue;
-    const uint16_t* k = kh + rows[u] * stride;
-    for (int c = 0; c < kPairs; ++c) {
-      const __m512i kc = (NV % 2 && c == kPairs - 1) ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i*)(k + 32 * c)))
-                                                     : _mm512_loadu_si512(k + 32 * c);
-      a[u] = _mm512_dpbf16_ps(a[u], qv[c], (__m512bh)kc);
-    }
+    if (!kFull && u >= keys) continue;
+    const uint16_t* k = key(u);
+    for (int c = 0; c < kRegs; ++c) a[u] = dot_pairs(a[u], qv[c], load(k, c));
   }
   return sum_lanes(a);
 }
-#else
-// CPUs without AVX512-BF16 never run the bf16 target; this keeps the extension building there.
-template <int NV>
-inline __m512 scores16(const uint16_t* q, const uint16_t* kh, int64_t stride, const int64_t* rows, int64_t keys) {
-  __m512 a[kLanes];
-  for (int64_t u = 0; u < kLanes; ++u) {
-    a[u] = _mm512_setzero_ps();
-    if (u >= keys) continue;
-    const uint16_t* k = kh + rows[u] * stride;
-    for (int v = 0; v < NV; ++v) a[u] = _mm512_fmadd_ps(load_bf16(q + v * kLanes), load_bf16(k + v * kLanes), a[u]);
+
+// Scores of keys [j0, j0 + 16) in the query's order, scaled, stored: in place (kFull, keys j0 +
+// u at buffer row j0 + u) or any.
+template <int NV, bool kFull>
+inline void score_block(const Inputs& in, const Query& qr, const uint16_t* kh, int64_t j0) {
+  __m512 s;
+  if constexpr (kFull) {
+    const uint16_t* first = kh + j0 * in.key_row;
+    s = scores16<NV, true>(qr.q, [&](int u) { return first + u * in.key_row; }, kLanes);
+  } else {
+    const int64_t keys = std::min<int64_t>(kLanes, qr.count - j0);
+    s = scores16<NV, false>(qr.q, [&](int u) { return kh + qr.key_row(j0 + u) * in.key_row; }, keys);
   }
-  return sum_lanes(a);
-}
-#endif
-
-// Scores of keys [j0, j0 + 16) in the query's order, scaled, stored; returns them for the maximum.
-template <int NV>
-inline __m512 score_block(const Inputs& in, const Query& qr, const uint16_t* kh, int64_t j0) {
-  const int64_t keys = std::min<int64_t>(kLanes, qr.count - j0);
-  int64_t rows[kLanes];
-  for (int64_t u = 0; u < keys; ++u) rows[u] = qr.key_row(j0 + u);
-  const __m512 s = _mm512_mul_ps(scores16<NV>(qr.q, kh, in.key_row, rows, keys), _mm512_set1_ps(in.scale));
-  _mm512_storeu_ps(qr.w + j0, s);
-  return s;
+  _mm512_storeu_ps(qr.w + j0, _mm512_mul_ps(s, _mm512_set1_ps(in.scale)));
 }
 
-// Weights = exp(score - max) in place; returns their sum (the same order for every query).
-inline float softmax_weights(float* w, int64_t count, float top) {
-  for (int64_t j = 0; j < count; ++j) w[j] = exp_nonpositive(w[j] - top);
+inline __mmask16 first_lanes(int64_t k) {
+  return static_cast<__mmask16>(k >= kLanes ? 0xffffu : k <= 0 ? 0u : (1u << k) - 1u);
+}
+
+// A query's scores (w) become bf16 weights (wb, zeros from its last key to the next pair of
+// blocks); returns their total.
+inline float softmax_weights(const Query& qr, uint16_t* wb) {
+  __m512 best = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < qr.count; j += kLanes) {
+    const __mmask16 m = first_lanes(qr.count - j);
+    best = _mm512_mask_max_ps(best, m, best, _mm512_maskz_loadu_ps(m, qr.w + j));
+  }
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
   __m512 total = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + kLanes <= count; j += kLanes) total = _mm512_add_ps(total, _mm512_loadu_ps(w + j));
-  total = _mm512_add_ps(total, _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (count - j)) - 1u), w + j));
+  for (int64_t j = 0; j < qr.count + kLanes; j += kLanes) {
+    const __mmask16 m = first_lanes(qr.count - j);
+    const __m256i w = _mm256_maskz_mov_epi16(m, to_bf16(exp_weight(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, qr.w + j), top))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + j), w);
+    total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16)));
+  }
   return _mm512_reduce_add_ps(total);
 }
 
-// The weighted values of M queries: each accumulates over its keys in its own order, one key at
-// a time; the keys all of them see in place ([0, shared)) are loaded once for the M.
+// Values a (key j) and b (key j + 1, nullptr: zeros) as pairs, sum v of a query's NV: for NV >= 2
+// the words of 32 dimensions [32h, 32h + 32) unpacked (h = v / 2; v odd: the high words of each
+// 128-bit lane), so sum v's lanes hold the dimensions `store_values` puts back in order (unpacking
+// is cheaper than permuting words); NV = 1: the 16 dimensions in order.
+template <int NV>
+inline __m512i value_pairs(const uint16_t* a, const uint16_t* b, int v) {
+  if constexpr (NV == 1) {
+    alignas(64) static const uint16_t idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    const __m512i va = _mm512_maskz_loadu_epi16(0xffff, a), vb = b ? _mm512_maskz_loadu_epi16(0xffff, b) : _mm512_setzero_si512();
+    return _mm512_permutex2var_epi16(va, _mm512_load_si512(idx), vb);
+  } else {
+    const __m512i va = _mm512_loadu_si512(a + v / 2 * 32), vb = b ? _mm512_loadu_si512(b + v / 2 * 32) : _mm512_setzero_si512();
+    return v % 2 ? _mm512_unpackhi_epi16(va, vb) : _mm512_unpacklo_epi16(va, vb);
+  }
+}
+
+// A query's sums (value_pairs' lane order) scaled by inv, in dimension order, as bf16 at out.
+template <int NV>
+inline void store_values(const __m512 acc[NV], __m512 inv, uint16_t* out) {
+  if constexpr (NV == 1) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(_mm512_mul_ps(acc[0], inv)));
+  } else {
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int h = 0; h < NV / 2; ++h) {
+      const __m512 x = _mm512_mul_ps(acc[2 * h], inv), y = _mm512_mul_ps(acc[2 * h + 1], inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h), to_bf16(_mm512_permutex2var_ps(x, lo, y)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h + 16), to_bf16(_mm512_permutex2var_ps(x, hi, y)));
+    }
+  }
+}
+
+// The weighted values of M queries over keys [0, even), each key read once for all of them,
+// into sums[m] (NV * 16 floats each).
 template <int NV, int M>
-void weighted_values(const Inputs& in, const Query* qs, const float* sums, const uint16_t* vh, int64_t shared) {
+void shared_values(const Inputs& in, const uint16_t* const wb[], const uint16_t* vh, int64_t even, float* sums) {
+  // Fully unrolled, so that the sums stay in registers.
   __m512 acc[M][NV];
-  for (int m = 0; m < M; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < shared; ++j) {
-    const uint16_t* val = vh + j * in.value_row;
-    __m512 x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = load_bf16(val + v * kLanes);
-    for (int m = 0; m < M; ++m) {
-      const __m512 wj = _mm512_set1_ps(qs[m].w[j]);
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(wj, x[v], acc[m][v]);
-    }
-  }
+  const int* w[M];
+#pragma GCC unroll 32
   for (int m = 0; m < M; ++m) {
-    const Query& qr = qs[m];
-    for (int64_t j = shared; j < qr.count; ++j) {
-      const uint16_t* val = vh + qr.key_row(j) * in.value_row;
-      const __m512 wj = _mm512_set1_ps(qr.w[j]);
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_fmadd_ps(wj, load_bf16(val + v * kLanes), acc[m][v]);
-    }
-    constexpr int64_t dim = NV * kLanes;
-    const __m512 inv = _mm512_set1_ps(1.0f / sums[m]);
-    alignas(64) float result[dim];
-    for (int v = 0; v < NV; ++v) _mm512_store_ps(result + v * kLanes, _mm512_mul_ps(acc[m][v], inv));
-    at::BFloat16* orow = in.out + (qr.head * in.n + qr.row) * dim;
-    for (int64_t d = 0; d < dim; ++d) orow[d] = at::BFloat16(result[d]);
+    w[m] = reinterpret_cast<const int*>(wb[m]);
+#pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
   }
+  for (int64_t j = 0; j < even; j += 2) {
+    const uint16_t *a = vh + j * in.value_row, *b = a + in.value_row;
+#pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v) {
+      const __m512i x = value_pairs<NV>(a, b, v);
+#pragma GCC unroll 32
+      for (int m = 0; m < M; ++m) acc[m][v] = dot_pair_at(acc[m][v], w[m] + j / 2, x);
+    }
+  }
+#pragma GCC unroll 32
+  for (int m = 0; m < M; ++m)
+#pragma GCC unroll 32
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(sums + (m * NV + v) * kLanes, acc[m][v]);
+}
+
+// A query's values from key `even` on, added to its sums, then its output row.
+template <int NV>
+void own_values(const Inputs& in, const Query& qr, const uint16_t* wb, float total, const uint16_t* vh, int64_t even,
+                const float* sums) {
+  __m512 acc[NV];
+  for (int v = 0; v < NV; ++v) acc[v] = _mm512_loadu_ps(sums + v * kLanes);
+  for (int64_t j = even; j < qr.count; j += 2) {
+    const uint16_t* a = vh + qr.key_row(j) * in.value_row;
+    const uint16_t* b = j + 1 < qr.count ? vh + qr.key_row(j + 1) * in.value_row : nullptr;
+    for (int v = 0; v < NV; ++v) acc[v] = dot_pair_at(acc[v], wb + j, value_pairs<NV>(a, b, v));
+  }
+  store_values<NV>(acc, _mm512_set1_ps(1.0f / total),
+                   reinterpret_cast<uint16_t*>(in.out + (qr.head * in.n + qr.row) * NV * kLanes));
 }
 
 // Queries held in registers at once: M * NV accumulators, at most 24 of the 32 registers.
@@ -154,18 +253,24 @@ template <int NV>
 constexpr int kTile = NV >= 16 ? 1 : std::min(8, 24 / NV);
 
 template <int NV, int M = kTile<NV>>
-void weighted_values_of(int m, const Inputs& in, const Query* qs, const float* sums, const uint16_t* vh,
-                        int64_t shared) {
+void shared_values_of(int m, const Inputs& in, const uint16_t* const wb[], const uint16_t* vh, int64_t even,
+                      float* sums) {
   if constexpr (M >= 1) {
-    if (m == M) return weighted_values<NV, M>(in, qs, sums, vh, shared);
-    weighted_values_of<NV, M - 1>(m, in, qs, sums, vh, shared);
+    if (m == M) return shared_values<NV, M>(in, wb, vh, even, sums);
+    shared_values_of<NV, M - 1>(m, in, wb, vh, even, sums);
   }
 }
 
 // Queries [first, first + count) of KV group kv, numbered row-major (the group's heads of row 0,
 // then of row 1, ...), so that a tile's queries mostly see the same keys.
+// One thread's buffers: scores, weights and the value sums shared by a tile's queries.
+struct Scratch {
+  std::vector<float> scores, sums;
+  std::vector<uint16_t> weights;
+};
+
 template <int NV>
-void attend_tile(const Inputs& in, int64_t kv, int64_t first, int64_t count, std::vector<float>& scratch) {
+void attend_tile(const Inputs& in, int64_t kv, int64_t first, int64_t count, Scratch& s) {
   Query qs[kTile<NV>];
   int64_t most = 0, shared = INT64_MAX;
   for (int64_t i = 0; i < count; ++i) {
@@ -175,26 +280,28 @@ void attend_tile(const Inputs& in, int64_t kv, int64_t first, int64_t count, std
     most = std::max(most, qs[i].count);
     shared = std::min(shared, qs[i].before);
   }
-  const int64_t width = most + kLanes;
-  scratch.resize(count * width);
-  for (int64_t i = 0; i < count; ++i) qs[i].w = scratch.data() + i * width;
+  const int64_t width = (most + 2 * kLanes - 1) / kLanes * kLanes;  // room for a block of zero weights past the last key
+  s.scores.resize(count * width);
+  s.weights.resize(count * width);
+  for (int64_t i = 0; i < count; ++i) qs[i].w = s.scores.data() + i * width;
   const uint16_t* kh = in.keys + kv * in.key_head;
-  __m512 best[kTile<NV>];
-  for (int64_t i = 0; i < count; ++i) best[i] = _mm512_set1_ps(-INFINITY);
   // Whole blocks of in-place keys, each read once for the tile; then each query's own keys.
   const int64_t whole = shared / kLanes * kLanes;
   for (int64_t j0 = 0; j0 < whole; j0 += kLanes)
-    for (int64_t i = 0; i < count; ++i) best[i] = _mm512_max_ps(best[i], score_block<NV>(in, qs[i], kh, j0));
-  float sums[kTile<NV>];
+    for (int64_t i = 0; i < count; ++i) score_block<NV, true>(in, qs[i], kh, j0);
+  const uint16_t* wb[kTile<NV>];
+  float totals[kTile<NV>];
   for (int64_t i = 0; i < count; ++i) {
-    for (int64_t j0 = whole; j0 < qs[i].count; j0 += kLanes) {
-      const int64_t keys = std::min<int64_t>(kLanes, qs[i].count - j0);
-      best[i] = _mm512_mask_max_ps(best[i], static_cast<__mmask16>((1u << keys) - 1u), best[i],
-                                   score_block<NV>(in, qs[i], kh, j0));
-    }
-    sums[i] = softmax_weights(qs[i].w, qs[i].count, _mm512_reduce_max_ps(best[i]));
+    for (int64_t j0 = whole; j0 < qs[i].count; j0 += kLanes) score_block<NV, false>(in, qs[i], kh, j0);
+    uint16_t* w = s.weights.data() + i * width;
+    totals[i] = softmax_weights(qs[i], w);
+    wb[i] = w;
   }
-  weighted_values_of<NV>(static_cast<int>(count), in, qs, sums, in.values + kv * in.value_head, shared);
+  const uint16_t* vh = in.values + kv * in.value_head;
+  const int64_t even = shared & ~int64_t{1};
+  s.sums.resize(count * NV * kLanes);
+  shared_values_of<NV>(static_cast<int>(count), in, wb, vh, even, s.sums.data());
+  for (int64_t i = 0; i < count; ++i) own_values<NV>(in, qs[i], wb[i], totals[i], vh, even, s.sums.data() + i * NV * kLanes);
 }
 
 template <int NV>
@@ -205,7 +312,7 @@ void attend(const Inputs& in, int64_t kv_heads) {
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(kTile<NV>, per_group * kv_heads / (2 * threads)));
   const int64_t tiles = (per_group + tile - 1) / tile;
   at::parallel_for(0, kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    static thread_local Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t kv = item / tiles, first = item % tiles * tile;
       attend_tile<NV>(in, kv, first, std::min(tile, per_group - first), scratch);
@@ -283,23 +390,6 @@ inline void values_by_pairs(const uint16_t* const rows[2 * kT], int h0, int h1, 
       _mm512_storeu_si512(out + ((2 * h + 1) * kT + p) * 32, _mm512_permutex2var_epi16(va, hi, vb));
     }
   }
-}
-
-// e^x for x <= 0 to ~3e-6 relative (2^f by a degree-4 polynomial on [-0.5, 0.5], its exponent
-// added to the bits), enough for weights that are rounded to bf16 next: exp_nonpositive's
-// degree-7 polynomial and scalef cost ~20 cycles a vector on a core with one 512-bit FMA unit,
-// most of a 16-row pass's attention once the tiles do the sums. Below -80 (weights under 2e-35
-// of the largest) it returns e^-80.
-inline __m512 exp_weight(__m512 x) {
-  const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-80.0f)), _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(0.009560510516166687f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.05591703951358795f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.24024981260299683f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931219696998596f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.9999991655349731f));
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
 }
 
 // Weights [j0, j0 + 32) of a query (zeros from `count` on) as one bf16 row of a left operand.

@@ -73,7 +73,7 @@ def test_it_computes_softmax_attention_over_the_keys_each_row_sees(heads: int, k
 
 
 @needs_kernel
-@pytest.mark.parametrize(("length", "hd"), [(300, 64), (283, 128)])
+@pytest.mark.parametrize(("length", "hd"), [(300, 16), (290, 32), (300, 64), (283, 128), (280, 256)])
 def test_a_rows_bits_depend_only_on_the_keys_it_sees(length: int, hd: int) -> None:
     """The same query over the same keys: alone, as one row of a chain, as a tree row whose
     ancestors are gathered from elsewhere in the buffer (up to its last row, which ends inside a
