@@ -40,30 +40,8 @@ inline __m512 load_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// e^x for x <= 0 (attention scores minus their maximum; SiLU's e^-|x|), Cephes' single-precision
-// polynomial in plain arithmetic so the loop that calls it is vectorised (libm's expf runs one
-// value at a time).
-// About 2 ulp; the output is rounded to bf16 in the end anyway.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  // n = round(x / ln 2) by the 1.5 * 2^23 trick: floor() would keep the loop scalar.
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// The same polynomial on 16 lanes (for SwiGLU; the attention's loop over exp_nonpositive is
-// vectorised by the compiler).
+// e^x for x <= 0 (SiLU's e^-|x|) on 16 lanes, Cephes' single-precision polynomial: about 2 ulp
+// (libm's expf runs one value at a time).
 inline __m512 exp_nonpositive(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
