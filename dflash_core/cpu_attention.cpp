@@ -87,14 +87,6 @@ inline __m512 dot_pair_at(__m512 acc, const void* p, __m512i b) {
 #endif
 }
 
-// 16 floats rounded to bf16 (to nearest even; they are finite).
-inline __m256i to_bf16(__m512 x) {
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
 struct Inputs {
   const uint16_t *q, *keys, *values;
   at::BFloat16* out;
@@ -165,9 +157,9 @@ inline float softmax_weights(const Query& qr, uint16_t* wb) {
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < qr.count + kLanes; j += kLanes) {
     const __mmask16 m = first_lanes(qr.count - j);
-    const __m256i w = _mm256_maskz_mov_epi16(m, to_bf16(exp_weight(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, qr.w + j), top))));
+    const __m256i w = _mm256_maskz_mov_epi16(m, float_to_bf16(exp_weight(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, qr.w + j), top))));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(wb + j), w);
-    total = _mm512_add_ps(total, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(w), 16)));
+    total = _mm512_add_ps(total, bf16_to_float(w));
   }
   return _mm512_reduce_add_ps(total);
 }
@@ -193,14 +185,14 @@ inline __m512i value_pairs(const uint16_t* a, const uint16_t* b, int v) {
 template <int NV>
 inline void store_values(const __m512 acc[NV], __m512 inv, uint16_t* out) {
   if constexpr (NV == 1) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(_mm512_mul_ps(acc[0], inv)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), float_to_bf16(_mm512_mul_ps(acc[0], inv)));
   } else {
     const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int h = 0; h < NV / 2; ++h) {
       const __m512 x = _mm512_mul_ps(acc[2 * h], inv), y = _mm512_mul_ps(acc[2 * h + 1], inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h), to_bf16(_mm512_permutex2var_ps(x, lo, y)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h + 16), to_bf16(_mm512_permutex2var_ps(x, hi, y)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h), float_to_bf16(_mm512_permutex2var_ps(x, lo, y)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 32 * h + 16), float_to_bf16(_mm512_permutex2var_ps(x, hi, y)));
     }
   }
 }
@@ -261,14 +253,14 @@ void shared_values_of(int m, const Inputs& in, const uint16_t* const wb[], const
   }
 }
 
-// Queries [first, first + count) of KV group kv, numbered row-major (the group's heads of row 0,
-// then of row 1, ...), so that a tile's queries mostly see the same keys.
 // One thread's buffers: scores, weights and the value sums shared by a tile's queries.
 struct Scratch {
   std::vector<float> scores, sums;
   std::vector<uint16_t> weights;
 };
 
+// Queries [first, first + count) of KV group kv, numbered row-major (the group's heads of row 0,
+// then of row 1, ...), so that a tile's queries mostly see the same keys.
 template <int NV>
 void attend_tile(const Inputs& in, int64_t kv, int64_t first, int64_t count, Scratch& s) {
   Query qs[kTile<NV>];

@@ -34,11 +34,26 @@ inline bool amx_permitted() {
 }
 #endif
 
-// 16 bf16 values as floats: bf16 is the top half of a float's bits.
-inline __m512 load_bf16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+// 16 bf16 values (their bits) as floats: bf16 is the top half of a float's bits.
+inline __m512 bf16_to_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+
+inline __m512 load_bf16(const uint16_t* p) {
+  return bf16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// 16 floats as bf16 bits, rounded to nearest even as torch's float -> bf16 conversion does
+// (inputs here are finite).
+inline __m256i float_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+
+// 16 floats rounded to bf16, kept as floats.
+inline __m512 round_bf16(__m512 v) { return bf16_to_float(float_to_bf16(v)); }
 
 // e^x for x <= 0 (SiLU's e^-|x|) on 16 lanes, Cephes' single-precision polynomial: about 2 ulp
 // (libm's expf runs one value at a time).

@@ -12,18 +12,6 @@
 
 namespace {
 
-// Round to nearest even, as torch's float -> bf16 conversion does (inputs here are finite).
-inline __m256i float_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
-}
-
-inline __m512 round_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(float_to_bf16(v)), 16));
-}
-
 }  // namespace
 
 // x [..., dim] bf16 (dim a multiple of 16, rows contiguous), weight [dim] bf16: transformers'
