@@ -18,12 +18,19 @@ what `FastForward.rows_agree` checks on every load.
   rows, the kernel (vdpbf16ps) 7-9 ms for 1 to 8 rows; on an AMX Xeon, oneDNN's tiles 13-14 ms for
   1 to 16 rows, the kernel's tile multiplies 8.0-8.2 ms (vdpbf16ps there: 7.9 at 1 row, 12.3 at 8,
   22 at 16, out of arithmetic). `linear_units()` says which instruction multiplies here.
+- Float32 linear layers (`cpu_linear_f32.cpp`, any x86 CPU with AVX2): where the target runs in
+  float32 (CPUs without bf16 units), oneDNN's float32 GEMM read the weights at about half the
+  memory's speed. The kernel sums each output over its inputs in order by FMAs, from float32
+  weights or, where every weight is a bf16 value (`packing.bf16_exact`), from bf16 weights widened
+  exactly (half the bytes). SmolLM2's linears, 2 threads, a 2-core AMD EPYC Zen 3: oneDNN 58 / 78 ms
+  at 1 / 8 rows, the kernel 38 / 56-64 (float32 weights) and 17 / 34-40 (bf16 weights).
 
 Built once per machine by torch's C++ extension loader (g++ and ninja; ~40 s on 2 cores, cached
 in torch's extensions folder under a name that hashes the sources, this CPU's vector instructions
 and the torch version). scripts/setup.sh builds it ahead (`describe()`). Where it cannot be built
-(no compiler, a CPU without AVX-512), `kernel()` is None, `unavailable_reason()` says why, and
-batch_invariant.py's torch calls run instead; `DFLASH_CPU_KERNEL=0` picks that path on purpose.
+(no compiler, a CPU without AVX-512), `kernel()` is None (`f32_kernel()`: without AVX2),
+`unavailable_reason()` says why, and batch_invariant.py's torch calls (oneDNN for float32) run
+instead; `DFLASH_CPU_KERNEL=0` picks that path on purpose.
 """
 
 from __future__ import annotations
@@ -45,6 +52,10 @@ FUNCTIONS = ["attention", "pack_linear", "linear", "linear_units", "rms_norm", "
              "draft_layer", "argmax_rows"]
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention's instantiations (other sizes take the torch calls)
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]
+# Float32 linear layers for CPUs without bf16 units (AVX2 and FMA: laptops, AMD Zen 1-3), built apart
+# from the AVX-512 sources above.
+F32_SOURCE = Path(__file__).with_name("cpu_linear_f32.cpp")
+F32_FUNCTIONS = ["pack_linear_f32", "linear_f32"]
 log = logging.getLogger(__name__)
 
 
@@ -60,35 +71,56 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
+def _build(name: str, sources: list[str], functions: list[str], what: str) -> tuple[Any, str | None]:
+    """Compile `sources` as one extension named after their hash, this CPU and torch (cached in
+    torch's extensions folder); (module, None), or (None, why not)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    tag = hashlib.sha1(f"{sources}{HEADER.read_text()}{FLAGS}{capability}{name}{torch.__version__}".encode())
+    name = f"{name}_{tag.hexdigest()[:12]}"
+    try:
+        from torch.utils import cpp_extension
+
+        _ninja_on_path()
+        if not Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so").exists():
+            print(f"[cpu kernels] building {what} for this machine (once, ~40 s) ...", file=sys.stderr, flush=True)
+        module = cpp_extension.load_inline(name=name, cpp_sources=sources, functions=functions,
+                                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+                                           extra_include_paths=[str(HEADER.parent)])
+    except Exception as err:  # no compiler, no ninja, a build error: the torch-call path runs
+        lines = str(err).strip().splitlines()
+        reason = f"{type(err).__name__}: {lines[-1] if lines else ''}"
+        log.warning("%s could not be built (%s); torch calls run instead", what, reason)
+        return None, reason
+    return module, None
+
+
 @functools.cache
 def _load() -> tuple[Any, str | None]:
     if os.environ.get("DFLASH_CPU_KERNEL", "1") == "0":
         return None, "turned off (DFLASH_CPU_KERNEL=0)"
     if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
         return None, f"this CPU has no AVX-512 ({torch.backends.cpu.get_cpu_capability()})"
-    sources = [path.read_text() for path in SOURCES]
-    capability = torch.backends.cpu.get_cpu_capability()
     from .batch_invariant import _cpu_supports
 
     amx = _cpu_supports("_is_amx_tile_supported")  # -march=native builds the tile path only where the CPU has tiles
-    tag = hashlib.sha1(f"{sources}{HEADER.read_text()}{FLAGS}{capability}{amx}{torch.__version__}".encode())
-    name = f"dflash_cpu_kernels_{tag.hexdigest()[:12]}"
-    try:
-        from torch.utils import cpp_extension
+    return _build(f"dflash_cpu_kernels{'_amx' if amx else ''}", [path.read_text() for path in SOURCES], FUNCTIONS,
+                  "the compiled CPU kernels")
 
-        _ninja_on_path()
-        if not Path(cpp_extension._get_build_directory(name, verbose=False), f"{name}.so").exists():
-            print("[cpu kernels] building the compiled CPU kernels for this machine (once, ~40 s) ...",
-                  file=sys.stderr, flush=True)
-        module = cpp_extension.load_inline(name=name, cpp_sources=sources, functions=FUNCTIONS,
-                                           extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                                           extra_include_paths=[str(HEADER.parent)])
-    except Exception as err:  # no compiler, no ninja, a build error: the torch-call path runs
-        lines = str(err).strip().splitlines()
-        reason = f"{type(err).__name__}: {lines[-1] if lines else ''}"
-        log.warning("the compiled CPU kernels could not be built (%s); torch calls run instead", reason)
-        return None, reason
-    return module, None
+
+@functools.cache
+def _load_f32() -> tuple[Any, str | None]:
+    if os.environ.get("DFLASH_CPU_KERNEL", "1") == "0":
+        return None, "turned off (DFLASH_CPU_KERNEL=0)"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not capability.startswith(("AVX2", "AVX512")):
+        return None, f"this CPU has no AVX2 ({capability})"
+    return _build("dflash_cpu_f32", [F32_SOURCE.read_text()], F32_FUNCTIONS, "the compiled float32 linear layers")
+
+
+def f32_kernel() -> Any:
+    """The float32 linear layers' module (`F32_FUNCTIONS`, any x86 CPU with AVX2), built on first
+    call; None where it cannot be."""
+    return _load_f32()[0]
 
 
 def kernel() -> Any:
@@ -122,12 +154,16 @@ def linear_fits(weight: torch.Tensor) -> bool:
 
 def describe() -> str:
     """Builds the kernels wherever they run (any AVX-512 CPU: greedy choices use `argmax_rows`
-    whatever the target's dtype), and says how that went (for setup)."""
+    whatever the target's dtype; the float32 linear layers where the target runs in float32), and
+    says how that went (for setup)."""
     from .batch_invariant import bf16_gemm_available
 
+    if not bf16_gemm_available():  # the target runs in float32 here, its linear layers on the float32 kernel
+        f32 = "float32 linear layers" if f32_kernel() is not None else f"no float32 linear layers ({_load_f32()[1]})"
+        if kernel() is None:
+            return f"[cpu kernels] ready ({f32}); the AVX-512 kernels not built: {unavailable_reason()}"
+        return f"[cpu kernels] ready (argmax, {f32}; without bf16 units the target runs in float32)"
     if kernel() is None:
         return f"[cpu kernels] not built: {unavailable_reason()}"
-    if not bf16_gemm_available():
-        return "[cpu kernels] ready (argmax; without bf16 units the target runs in float32)"
     linears = linear_kernel()
     return f"[cpu kernels] ready (attention{'' if linears is None else f', linear layers on {linears.linear_units()}'})"

@@ -165,11 +165,19 @@ class FastForward:
 
     @property
     def packed_by(self) -> str | None:
-        """Which library the fp32 weights are laid out for: "oneDNN", "MKL" or None."""
+        """Which code the fp32 weights are laid out for: "compiled" (cpu_kernels.py's float32
+        kernel), "oneDNN", "MKL" or None."""
         if not self.packed:
             return None
         assert isinstance(self.head, Linear) and self.head.packed is not None
+        if self.head.packed.dim() == 4:
+            return "compiled"
         return "oneDNN" if onednn_layout(self.head.packed, self.head.weight) else "MKL"
+
+    @property
+    def bf16_weights(self) -> bool:
+        """The compiled float32 kernel multiplies by weights kept in bf16 (all of them bf16 values)."""
+        return self.packed_by == "compiled" and self.head.packed.dtype == torch.bfloat16
 
     def _linears(self) -> list[Linear | InvariantLinear]:
         layers = (lin for la in self.layers for lin in (la.q, la.k, la.v, la.o, la.gate, la.up, la.down, la.qkv,

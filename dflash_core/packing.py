@@ -8,7 +8,10 @@ AMD EPYC) MKL's packed GEMM stayed expensive (16 tokens 3.1x one token) while on
 weight reordered once, cost 1.9x; so fp32 weights take oneDNN's layout wherever it checks out
 (`onednn_fp32_works`), MKL's packing otherwise. Both are checked against `F.linear` once per
 process, since MKL documents the packed format for the batch size it was packed for and we use
-it for every one.
+it for every one. Where the compiled float32 kernel builds (any CPU with AVX2, cpu_kernels.py),
+fp32 weights take its layout before either: every row's bits then hold by construction, and a
+weight whose values are all bf16 values (`bf16_exact`: a bf16 checkpoint, or the embedded target
+on a CPU without bf16 units, targets.py) is kept in bf16, half the bytes to stream.
 """
 
 from __future__ import annotations
@@ -115,11 +118,28 @@ def onednn_layout(packed: torch.Tensor, weight: torch.Tensor) -> bool:
     return packed.shape == weight.shape
 
 
+def bf16_exact(weight: torch.Tensor) -> bool:
+    """Every value of this float32 weight is a bf16 value (so bf16 holds it exactly)."""
+    return torch.equal(weight.to(torch.bfloat16).float(), weight)
+
+
+def f32_layout(weight: torch.Tensor) -> torch.Tensor | None:
+    """A float32 [out, in] weight laid out for the compiled float32 kernel (in bf16 where that is
+    exact), or None where the kernel does not build or take this shape."""
+    kernel = cpu_kernels.f32_kernel() if cpu_kernels.linear_fits(weight) else None
+    if kernel is None:
+        return None
+    w = weight.detach().contiguous()
+    return kernel.pack_linear_f32(w.to(torch.bfloat16) if bf16_exact(w) else w)
+
+
 def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             packed: torch.Tensor | None) -> torch.Tensor:
     """x [rows, in] times the weight, through the packed copy when there is one (MKL's: with
     enough rows)."""
-    if packed is not None and packed.dim() == 4:  # laid out for the compiled kernel (cpu_kernels.py)
+    if packed is not None and packed.dim() == 4:  # laid out for a compiled kernel (cpu_kernels.py)
+        if x.dtype == torch.float32:
+            return cpu_kernels.f32_kernel().linear_f32(x, packed, bias)
         return cpu_kernels.kernel().linear(x, packed, bias)
     if packed is not None and onednn_layout(packed, weight):
         return batch_invariant.onednn_linear(x, packed, bias)
@@ -132,13 +152,16 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """A [out, in] weight laid out once for its GEMM library: for bf16 the compiled kernel's layout
     where it applies (cpu_kernels.py: AVX512-BF16, with AMX tiles where the CPU has them), else
-    oneDNN's reordered copy on CPUs with bf16 units; for fp32 oneDNN's where its fp32 GEMM passes its check
+    oneDNN's reordered copy on CPUs with bf16 units; for fp32 the compiled float32 kernel's layout
+    where it builds (`f32_layout`), else oneDNN's where its fp32 GEMM passes its check
     (`onednn_fp32_works`), else MKL's packed copy; None where none applies (not CPU, or the
     self-checks failed)."""
     if weight.device.type != "cpu":
         return None
     if weight.dtype == torch.bfloat16:
         return batch_invariant.bf16_layout(weight)[0] if batch_invariant.bf16_gemm_available() else None
+    if weight.dtype == torch.float32 and (compiled := f32_layout(weight)) is not None:
+        return compiled
     if weight.dtype == torch.float32 and onednn_fp32_works():
         return batch_invariant.onednn_weight(weight)
     if weight.dtype != torch.float32 or not mkl_packing_works():

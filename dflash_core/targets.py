@@ -193,8 +193,11 @@ class Target:
             reason = unsupported_reason(self.model)
             if reason is None:
                 self.fast_forward = FastForward(self.model)
-                by = self.fast_forward.packed_by
+                ff = self.fast_forward
+                by = ff.packed_by
                 packed = f", {by}-{'reordered' if by == 'oneDNN' else 'packed'} weights" if by else ""
+                if by == "compiled":
+                    packed = f", compiled float32 linears ({'bf16' if ff.bf16_weights else 'float32'} weights)"
                 self._forward_note = f"fast forward{packed}"
                 if self.fast_forward.invariant:
                     compiled = getattr(self.fast_forward.head, "compiled", None)
@@ -399,8 +402,14 @@ def load_target(spec: str | None = None, device: str | None = None,
     if auto and cpu and torch_dtype == torch.bfloat16 and not batch_invariant_possible(config, fast):
         torch_dtype = torch.float32  # known from the config: no batch-invariant path, so no bf16
 
+    # A CPU without bf16 units computes in float32; by default its weights are the bf16 model's
+    # (as on CPUs with bf16 units), widened exactly, so the compiled float32 linears stream half
+    # the bytes (packing.bf16_exact). `dtype="fp32"` keeps float32 weights.
+    widen = (auto and cpu and torch_dtype == torch.float32 and not bf16_gemm_available()
+             and batch_invariant_possible(config, fast) and cpu_kernels.f32_kernel() is not None)
+
     def build(torch_dtype: torch.dtype) -> Target:
-        kwargs: dict[str, Any] = {"dtype": torch_dtype}
+        kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if widen and torch_dtype == torch.float32 else torch_dtype}
         if str(device).startswith("cuda") and torch.cuda.device_count() > 1:
             kwargs["device_map"] = "auto"  # accelerate spreads a large target over the GPUs
         try:
@@ -417,6 +426,8 @@ def load_target(spec: str | None = None, device: str | None = None,
             raise DFlashError(f"could not load target {spec!r}: {reason}") from None
         if "device_map" not in kwargs:
             model = model.to(device)
+        if widen and torch_dtype == torch.float32:
+            model = model.float()
         first = next(model.parameters())
         return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype,
                       fast=fast, graphs=bool(graphs))

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflash_core import Engine, GenerationConfig, batch_invariant, packing
+from dflash_core import Engine, GenerationConfig, batch_invariant, cpu_kernels, packing
 from dflash_core.fast_forward import FastForward
 from dflash_core.fast_forward_support import unsupported_reason
 from dflash_core.packing import (
@@ -39,8 +39,8 @@ from tests.conftest import finish
 
 
 def packing_works() -> bool:
-    """fp32 weights get laid out once here: for oneDNN, or packed for MKL."""
-    return onednn_fp32_works() or mkl_packing_works()
+    """fp32 weights get laid out once here: for the compiled float32 kernel, oneDNN, or MKL."""
+    return cpu_kernels.f32_kernel() is not None or onednn_fp32_works() or mkl_packing_works()
 
 COMMON = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -165,6 +165,7 @@ def test_onednn_fp32_gives_a_row_the_same_bits_in_any_pass(monkeypatch: pytest.M
     the pass (verify blocks against plain steps); where oneDNN's check fails, MKL packs instead."""
     if not onednn_fp32_works():
         pytest.skip("oneDNN's fp32 GEMM is not used on this machine")
+    monkeypatch.setattr(packing, "f32_layout", lambda weight: None)  # where the compiled kernel builds, it comes first
     torch.manual_seed(1)
     w, b = torch.randn(576, 1536), torch.randn(576)  # SmolLM2's down projection
     lin = Linear(w, b, pack_weight(w))
@@ -225,7 +226,8 @@ def test_embedded_target_takes_the_fast_forward_and_decodes_the_same(target_fp32
     target = target_fp32
     assert target.fast_forward is not None, target.forward_note
     assert target.fast_forward.packed == packing_works()
-    library = "oneDNN" if onednn_fp32_works() else "MKL" if mkl_packing_works() else None
+    library = ("compiled" if cpu_kernels.f32_kernel() is not None else "oneDNN" if onednn_fp32_works()
+               else "MKL" if mkl_packing_works() else None)
     assert target.fast_forward.packed_by == library
     hf = Target(model=target.model, tokenizer=target.tokenizer, name=target.name, device=target.device,
                 dtype=target.dtype, fast=False)
