@@ -37,14 +37,19 @@ Engine.fit_threads = False
 
 @pytest.fixture(scope="session")
 def target() -> Target:
-    """The default: bf16 and batch-invariant on a CPU with bf16 units (AMX, AVX512-BF16), float32 elsewhere."""
+    """The default: bf16 and batch-invariant on a CPU with bf16 units (AMX, AVX512-BF16), float32
+    elsewhere (over bf16 weights where the compiled float32 linears build)."""
     return load_target("embedded", device="cpu")
 
 
 @pytest.fixture(scope="session")
 def target_fp32(target: Target) -> Target:
-    """The float32 target that CPUs without bf16 units run (the same object where that is the default)."""
-    return target if target.dtype == torch.float32 else load_target("embedded", device="cpu", dtype="float32")
+    """The target with float32 weights and maths, as vLLM serves it in float32 (the same object
+    where that is the default; CPUs without bf16 units compute in float32 over bf16 weights)."""
+    widened = target.fast_forward is not None and target.fast_forward.bf16_weights
+    if target.dtype == torch.float32 and not widened:
+        return target
+    return load_target("embedded", device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -151,9 +151,9 @@ def test_an_upgraded_drafter_drafts_as_its_dflash1_origin(target_fp32: Target, s
 @pytest.mark.parametrize("seed", range(4))
 def test_train_step_and_inference_pass_agree(target: Target, seed: int) -> None:
     """The same maths, not the same GEMMs: with autograd on the training pass multiplies through
-    F.linear, the inference pass through the laid-out copies (oneDNN's fp32 GEMM on the EPYC), so
-    float32 sums in another order may differ by a few ulps of outputs up to ~9: a relative bound
-    (an absolute 1e-5 alone failed on some unseeded inputs there)."""
+    F.linear, the inference pass through the laid-out copies (oneDNN's fp32 GEMM, or on an AVX2 CPU
+    the compiled kernel's one in-order sum per output over 576-1536 inputs), so float32 sums in
+    another order differ on outputs up to ~9 by up to ~1e-4 (measured: 8.3e-5 on a Zen 3)."""
     d = v2_drafter(target, std=0.1)
     n_ctx, block = 7, 16
     gen = torch.Generator().manual_seed(seed)
@@ -162,7 +162,7 @@ def test_train_step_and_inference_pass_agree(target: Target, seed: int) -> None:
     mask = torch.ones(1, 1, block, n_ctx + block, dtype=torch.bool)
     train = d.forward_train(ctx, emb, torch.arange(n_ctx, n_ctx + block), mask)
     step = d.step(emb, n_ctx, d.new_cache(64), ctx)
-    torch.testing.assert_close(train, step, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(train, step, rtol=1e-4, atol=2e-4)
 
 
 # ----- exactness -----
