@@ -409,7 +409,7 @@ def load_target(spec: str | None = None, device: str | None = None,
              and batch_invariant_possible(config, fast) and cpu_kernels.f32_kernel() is not None)
 
     def build(torch_dtype: torch.dtype) -> Target:
-        kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if widen and torch_dtype == torch.float32 else torch_dtype}
+        kwargs: dict[str, Any] = {"dtype": torch.bfloat16 if widen else torch_dtype}
         if str(device).startswith("cuda") and torch.cuda.device_count() > 1:
             kwargs["device_map"] = "auto"  # accelerate spreads a large target over the GPUs
         try:
@@ -426,7 +426,7 @@ def load_target(spec: str | None = None, device: str | None = None,
             raise DFlashError(f"could not load target {spec!r}: {reason}") from None
         if "device_map" not in kwargs:
             model = model.to(device)
-        if widen and torch_dtype == torch.float32:
+        if widen:
             model = model.float()
         first = next(model.parameters())
         return Target(model=model, tokenizer=tokenizer, name=name, device=first.device, dtype=torch_dtype,
